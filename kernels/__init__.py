@@ -1,0 +1,50 @@
+"""Triton kernels for the paged KV cache, imported as ``pagedkv.kernels`` (never as a top-level ``kernels``).
+
+Public API (see LAB_DESIGN.md):
+
+    paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale=None, ...)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, ...)
+
+KV layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for both caches, as in vLLM and flash-attn.
+
+CPU-only machines: Triton compiles for GPUs. Without one, its interpreter (``TRITON_INTERPRET=1``)
+runs the same kernel source with NumPy, on CPU tensors, in fp32 and fp16 (it has no bfloat16). Triton
+decides interpreter-or-compiler when a kernel is *defined* (``@triton.jit`` reads the setting), so
+importing this package on a machine where ``torch.cuda.is_available()`` is False and where
+``TRITON_INTERPRET`` is unset sets ``TRITON_INTERPRET=1`` before our kernels are defined. Set
+``TRITON_INTERPRET=0`` yourself to opt out (then CPU tensors are refused with a ValueError).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from .cache import reshape_and_cache  # noqa: E402
+from .decode import (  # noqa: E402
+    DECODE_VERSIONS,
+    choose_num_splits,
+    paged_attention_decode,
+    paged_attention_decode_v1,
+    paged_attention_decode_v2,
+    paged_attention_decode_v3,
+    paged_attention_decode_v4,
+)
+from .prefill import paged_prefill_attention  # noqa: E402
+
+__all__ = [
+    "DECODE_VERSIONS",
+    "choose_num_splits",
+    "paged_attention_decode",
+    "paged_attention_decode_v1",
+    "paged_attention_decode_v2",
+    "paged_attention_decode_v3",
+    "paged_attention_decode_v4",
+    "paged_prefill_attention",
+    "reshape_and_cache",
+]

@@ -1,0 +1,196 @@
+"""The BlockPool: every KV cache block, the free queue, and the prefix cache's hash map.
+
+Mirrors ``vllm/v1/core/block_pool.py`` (``BlockPool``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from pagedkv.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, short_hash
+
+if TYPE_CHECKING:
+    from pagedkv.request import Request
+    from pagedkv.trace import EventTrace
+
+
+class BlockPool:
+    """All ``num_blocks`` physical blocks of the KV cache, by id.
+
+    Block 0 is the null block: a placeholder that is never handed out (vLLM uses it for skipped
+    sliding-window blocks), so ``num_blocks - 1`` blocks are usable. Every usable block is either in the
+    free queue with ``ref_cnt == 0`` or held by ``ref_cnt`` requests. A free block may still hold a cached
+    prefix (its ``block_hash`` is set and it is in ``cached_block_hash_to_block``): it stays reusable by a
+    cache hit until it is popped for a new allocation, and only then is it evicted.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}")
+        self.num_gpu_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # hash -> {block_id: block}. Usually one block per hash; two requests that computed the same
+        # prefix at the same time each hold a full block with that hash, and both are kept.
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.num_evictions = 0
+        self.trace: EventTrace | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_gpu_blocks
+
+    # --- prefix cache lookups -----------------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block holding the prefix with this hash, or ``None``. Changes nothing (a hit is only taken
+        by ``touch``). Mirrors ``BlockPool.get_cached_block``."""
+        blocks = self.cached_block_hash_to_block.get(block_hash)
+        if not blocks:
+            return None
+        return next(iter(blocks.values()))
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Enter ``blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache.
+
+        Each newly full block takes its hash from ``request.block_hashes`` (the chain over the request's
+        tokens), so a later request with the same prefix finds it. Only full blocks are cached: a partly
+        filled block's KV is not final. Mirrors ``BlockPool.cache_full_blocks``.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        if len(request.block_hashes) < num_full_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} has {len(request.block_hashes)} block hashes, {num_full_blocks} needed"
+            )
+        cached: list[int] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or block.block_hash is not None:
+                continue
+            block_hash = request.block_hashes[i]
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            cached.append(block.block_id)
+        if self.trace is not None and cached:
+            self.trace.record("cache", request.request_id, cached, f"{request.request_id} caches full blocks {cached}")
+
+    # --- allocation ---------------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks from the head of the free queue; each gets ``ref_cnt = 1``.
+
+        A popped block that still holds a cached prefix is evicted now (its hash cleared and removed from
+        the map): this is the only place eviction happens. Raises ``ValueError``, and changes nothing,
+        when fewer blocks are free. Mirrors ``BlockPool.get_new_blocks``.
+        """
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(
+                f"Cannot get {num_blocks} free blocks from the pool: {self.get_num_free_blocks()} are free"
+            )
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        for block in ret:
+            assert block.ref_cnt == 0, block
+            block.ref_cnt = 1
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+        return ret
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """If ``block`` holds a cached prefix, forget it. Mirrors ``BlockPool._maybe_evict_cached_block``."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        blocks = self.cached_block_hash_to_block.get(block_hash)
+        if blocks is not None:
+            blocks.pop(block.block_id, None)
+            if not blocks:
+                del self.cached_block_hash_to_block[block_hash]
+        block.reset_hash()
+        self.num_evictions += 1
+        if self.trace is not None:
+            self.trace.record(
+                "evict",
+                None,
+                [block.block_id],
+                f"block {block.block_id} evicted (held prefix {short_hash(block_hash)})",
+            )
+        return True
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block (a cache hit): ``ref_cnt + 1``; a block that was free (ref_cnt 0,
+        a cached prefix nobody held) leaves the free queue, so it can no longer be evicted.
+        Mirrors ``BlockPool.touch``."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; those reaching ``ref_cnt == 0`` go back to the free queue.
+
+        Blocks without a hash hold nothing worth keeping: they go to the head, as a group in the order given,
+        so the first one given is reused first. Blocks with a hash go to the tail in the order given, so they
+        are evicted last and a later request can still hit them. (``KVCacheManager.free`` passes a request's
+        blocks in reverse, so its deepest prefix blocks are evicted before the shared roots.) Freeing a block
+        that is already free, or the null block, raises ``ValueError`` before anything changes.
+        Mirrors ``BlockPool.free_blocks``.
+        """
+        blocks = list(ordered_blocks)
+        counts = Counter(id(b) for b in blocks)
+        for block in blocks:
+            if not (0 <= block.block_id < self.num_gpu_blocks and self.blocks[block.block_id] is block):
+                raise ValueError(f"{block!r} does not belong to this pool")
+            if block.is_null:
+                raise ValueError("cannot free the null block (block 0): it is never handed out")
+            if counts[id(block)] > block.ref_cnt:
+                raise ValueError(
+                    f"cannot free block {block.block_id}: ref_cnt is {block.ref_cnt} "
+                    f"but it is freed {counts[id(block)]} time(s) (already free?)"
+                )
+        to_head: list[KVCacheBlock] = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    to_head.append(block)
+                else:
+                    self.free_block_queue.append(block)
+        self.free_block_queue.appendleft_n(to_head)
+
+    # --- whole-pool operations ----------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Refuses (returns ``False``, changes nothing) while any request holds
+        blocks, since their hashes are still in use. Mirrors ``BlockPool.reset_prefix_cache``."""
+        num_used = self.num_gpu_blocks - 1 - self.get_num_free_blocks()
+        if num_used > 0:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        if self.trace is not None:
+            self.trace.record("reset", None, [], "prefix cache reset: every hash forgotten")
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        """Free blocks, cached ones included (they are reusable). Mirrors ``BlockPool.get_num_free_blocks``."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of the usable blocks (the null block excluded) held by requests, 0.0 to 1.0."""
+        total = self.num_gpu_blocks - 1
+        return 1.0 - self.get_num_free_blocks() / total if total > 0 else 0.0
+
+    def get_num_cached_blocks(self) -> int:
+        return sum(len(v) for v in self.cached_block_hash_to_block.values())

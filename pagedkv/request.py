@@ -1,0 +1,122 @@
+"""A generation request: its tokens, how many of them have KV in the cache, and its status.
+
+Mirrors ``vllm/v1/request.py`` (``Request``, ``RequestStatus``).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+
+from pagedkv.kv_cache_utils import BlockHash
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Statuses after PREEMPTED are finished (as in vLLM)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # sampled its stop (EOS) token
+    FINISHED_LENGTH_CAPPED = enum.auto()  # reached max_tokens
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+class Request:
+    """One sequence to generate.
+
+    ``num_computed_tokens`` counts the tokens, from the start of ``all_token_ids``, whose KV is (or, in
+    the step being scheduled, will be) in the cache. The scheduler advances it; a recompute preemption
+    sets it back to 0. Output tokens are only ever appended, so a request's block hashes never change.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int = 16,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; a request needs >= 1 token")
+        if any(t < 0 for t in prompt):
+            raise ValueError(f"request {request_id!r}: token ids must be >= 0")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = prompt
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt)
+        self.max_tokens = int(max_tokens)
+        self.priority = int(priority)  # lower value = more important (vLLM's convention)
+        self.arrival_time = float(next(_arrival_counter)) if arrival_time is None else float(arrival_time)
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
+        self.lora_id = lora_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        # Hashes of the request's full blocks, extended by the KV cache manager as blocks fill up.
+        self.block_hashes: list[BlockHash] = []
+        self.block_hasher_key: tuple[object, ...] | None = None  # (block_size, hash_fn) they were made with
+
+    # --- tokens -------------------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs (a read-only view: do not mutate it)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Append sampled token(s) to the outputs (and to ``all_token_ids``).
+
+        Mirrors ``Request.append_output_token_ids`` in ``vllm/v1/request.py``.
+        """
+        ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        if any(t < 0 for t in ids):
+            raise ValueError(f"request {self.request_id!r}: token ids must be >= 0, got {ids}")
+        self.output_token_ids.extend(ids)
+        self._all_token_ids.extend(ids)
+
+    # --- status -------------------------------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.name})"
+        )

@@ -1,0 +1,116 @@
+"""BlockPool: the null block, allocation, the free order rules, touch, eviction, reset."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv import BlockPool, Request
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+
+def cache(pool: BlockPool, block, h) -> None:
+    block.block_hash = h
+    pool.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
+
+
+def test_null_block_never_handed_out():
+    pool = BlockPool(5)
+    assert len(pool.blocks) == 5 and pool.blocks[0] is pool.null_block and pool.null_block.is_null
+    assert pool.get_num_free_blocks() == 4
+    got = pool.get_new_blocks(4)
+    assert [b.block_id for b in got] == [1, 2, 3, 4]
+    assert all(b.ref_cnt == 1 for b in got)
+    assert pool.get_usage() == 1.0
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, "3"])
+def test_bad_pool_size(n):
+    with pytest.raises(ValueError):
+        BlockPool(n)
+
+
+def test_get_new_blocks_short_changes_nothing():
+    pool = BlockPool(4)
+    pool.get_new_blocks(1)
+    before = free_ids(pool)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(3)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(-1)
+    assert free_ids(pool) == before and [b.ref_cnt for b in pool.blocks] == [0, 1, 0, 0]
+    assert pool.get_new_blocks(0) == []
+
+
+def test_free_order_uncached_to_head_in_given_order_cached_to_tail():
+    pool = BlockPool(8)
+    a, b, c, d = pool.get_new_blocks(4)  # 1 2 3 4 ; free: 5 6 7
+    cache(pool, b, 111)
+    cache(pool, d, 222)
+    pool.free_blocks([a, b, c, d])
+    # uncached a, c to the head as a group (a first); cached b, d to the tail in order
+    assert free_ids(pool) == [1, 3, 5, 6, 7, 2, 4]
+    assert pool.get_new_blocks(1)[0] is a
+
+
+def test_double_free_and_null_free_raise_before_any_change():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    with pytest.raises(ValueError):
+        pool.free_blocks([a, a])  # ref_cnt 1, freed twice
+    with pytest.raises(ValueError):
+        pool.free_blocks([a, pool.null_block])
+    assert a.ref_cnt == 1 and b.ref_cnt == 1 and free_ids(pool) == [3]
+    pool.free_blocks([a])
+    with pytest.raises(ValueError):
+        pool.free_blocks([b, a])  # a is already free
+    assert b.ref_cnt == 1 and free_ids(pool) == [1, 3]
+
+
+def test_touch_takes_a_free_cached_block_out_of_the_queue():
+    pool = BlockPool(5)
+    (a,) = pool.get_new_blocks(1)
+    cache(pool, a, 7)
+    pool.free_blocks([a])
+    assert free_ids(pool) == [2, 3, 4, 1] and pool.get_cached_block(7) is a
+    pool.touch([a])
+    assert a.ref_cnt == 1 and free_ids(pool) == [2, 3, 4]
+    pool.touch([a])
+    assert a.ref_cnt == 2
+
+
+def test_eviction_only_when_popped():
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    cache(pool, a, 1)
+    cache(pool, b, 2)
+    pool.free_blocks([b, a])
+    assert free_ids(pool) == [2, 1]
+    assert pool.get_cached_block(1) is a and pool.get_cached_block(2) is b  # free but still cached
+    (x,) = pool.get_new_blocks(1)
+    assert x is b and b.block_hash is None and pool.get_cached_block(2) is None  # evicted on reuse
+    assert pool.get_cached_block(1) is a and pool.num_evictions == 1
+
+
+def test_cache_full_blocks_uses_request_hashes():
+    pool = BlockPool(4)
+    req = Request("r", list(range(8)))
+    req.block_hashes = [10, 20]
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, 0, 2)
+    assert [b.block_hash for b in blocks] == [10, 20]
+    assert pool.get_cached_block(20) is blocks[1]
+
+
+def test_reset_prefix_cache():
+    pool = BlockPool(4)
+    (a,) = pool.get_new_blocks(1)
+    cache(pool, a, 5)
+    assert pool.reset_prefix_cache() is False  # a is held
+    assert pool.get_cached_block(5) is a
+    pool.free_blocks([a])
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(5) is None and a.block_hash is None
+    assert pool.get_num_free_blocks() == 3
