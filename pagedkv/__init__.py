@@ -9,6 +9,17 @@ from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from pagedkv.request import Request, RequestStatus
 from pagedkv.trace import EventTrace, TraceEvent
 
+
+
+def __getattr__(name: str):
+    # The scheduler pulls in more of the library; import it on first use.
+    if name in ("Scheduler", "SchedulerOutput"):
+        from pagedkv import scheduler
+
+        return getattr(scheduler, name)
+    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+
+
 __all__ = [
     "BlockPool",
     "EventTrace",
@@ -17,6 +28,8 @@ __all__ = [
     "KVCacheManager",
     "Request",
     "RequestStatus",
+    "Scheduler",
+    "SchedulerOutput",
     "TraceEvent",
     "UnknownRequestError",
 ]

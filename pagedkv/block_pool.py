@@ -6,10 +6,17 @@ Mirrors ``vllm/v1/core/block_pool.py`` (``BlockPool``).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from pagedkv.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, short_hash
+from pagedkv.kv_cache_utils import (
+    BlockHash,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    builtin_hash,
+    short_hash,
+    update_block_hashes,
+)
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
@@ -60,15 +67,21 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        block_size: int | None = None,
+        hash_fn: Callable[[Any], BlockHash] = builtin_hash,
     ) -> None:
         """Enter ``blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache.
 
         Each newly full block takes its hash from ``request.block_hashes`` (the chain over the request's
         tokens), so a later request with the same prefix finds it. Only full blocks are cached: a partly
-        filled block's KV is not final. Mirrors ``BlockPool.cache_full_blocks``.
+        filled block's KV is not final. The KV cache manager keeps ``request.block_hashes`` up to date; a
+        caller that does not may pass ``block_size`` (and ``hash_fn``) to have the missing hashes computed.
+        Mirrors ``BlockPool.cache_full_blocks``.
         """
         if num_cached_blocks >= num_full_blocks:
             return
+        if block_size is not None and len(request.block_hashes) < num_full_blocks:
+            update_block_hashes(request, block_size, hash_fn)
         if len(request.block_hashes) < num_full_blocks:
             raise ValueError(
                 f"request {request.request_id!r} has {len(request.block_hashes)} block hashes, {num_full_blocks} needed"

@@ -39,7 +39,7 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        request_id: str | int,
         prompt_token_ids: Sequence[int],
         max_tokens: int = 16,
         *,
@@ -49,8 +49,8 @@ class Request:
         cache_salt: str | None = None,
         lora_id: int | None = None,
     ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)) or request_id == "":
+            raise ValueError(f"request_id must be a non-empty str (or an int), got {request_id!r}")
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; a request needs >= 1 token")

@@ -114,3 +114,18 @@ def test_reset_prefix_cache():
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(5) is None and a.block_hash is None
     assert pool.get_num_free_blocks() == 3
+
+
+def test_cache_full_blocks_computes_missing_hashes_when_given_the_block_size():
+    from pagedkv.kv_cache_utils import KVCacheBlock, builtin_hash, hash_block_tokens
+
+    pool = BlockPool(5)
+    req = Request("0", list(range(14)))
+    blocks = [KVCacheBlock(block_id=i) for i in range(2)]
+    pool.cache_full_blocks(req, blocks, num_cached_blocks=0, num_full_blocks=2, block_size=4)
+    assert len(pool.cached_block_hash_to_block) == 2
+    assert blocks[0].block_hash == hash_block_tokens(builtin_hash, None, (0, 1, 2, 3))
+    assert blocks[1].block_hash == hash_block_tokens(builtin_hash, blocks[0].block_hash, (4, 5, 6, 7))
+    blocks.append(KVCacheBlock(block_id=2))
+    pool.cache_full_blocks(req, blocks, num_cached_blocks=2, num_full_blocks=3, block_size=4)
+    assert len(pool.cached_block_hash_to_block) == 3

@@ -287,3 +287,33 @@ def test_trace_records_plain_events_and_snapshots_are_consistent():
     m.set_trace(None)
     m.free(b)
     assert len(trace) == 6
+
+
+def test_free_queue_order_after_shared_prefix_requests_and_eviction_order():
+    """The order vLLM's own prefix-caching test expects: partial blocks prepended (last freed first),
+    never-used blocks next, cached prefix blocks at the tail with the deepest first."""
+    m = KVCacheManager(11, 16)
+    common = [i for i in range(3) for _ in range(16)]
+    r0 = Request("0", common + [3] * 7)
+    hits, n = m.get_computed_blocks(r0)
+    assert (hits, n) == ([], 0)
+    assert [b.block_id for b in m.allocate_slots(r0, 55, hits)] == [1, 2, 3, 4]
+    assert [m.block_pool.blocks[i].block_hash is not None for i in (1, 2, 3, 4)] == [True, True, True, False]
+    r1 = Request("1", common + [3] * 5)
+    hits, n = m.get_computed_blocks(r1)
+    assert [b.block_id for b in hits] == [1, 2, 3] and n == 48
+    assert [b.block_id for b in m.allocate_slots(r1, 5, hits)] == [5]
+    assert all(b.ref_cnt == 2 for b in hits) and m.get_num_free_blocks() == 5
+    m.free(r0)
+    m.free(r1)
+    assert free_ids(m) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    r2 = Request("2", common + [3] * 6)
+    hits, n = m.get_computed_blocks(r2)
+    assert [b.block_id for b in m.allocate_slots(r2, 6, hits)] == [5]
+    assert m.get_num_free_blocks() == 6
+    m.free(r2)
+    r3 = Request("3", [99] * 160)
+    hits, n = m.get_computed_blocks(r3)
+    assert [b.block_id for b in m.allocate_slots(r3, 160, hits)] == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    q = m.block_pool.free_block_queue
+    assert q.num_free_blocks == 0 and q.fake_free_list_head.next_free_block is q.fake_free_list_tail
