@@ -10,7 +10,6 @@ from pagedkv.request import Request, RequestStatus
 from pagedkv.trace import EventTrace, TraceEvent
 
 
-
 def __getattr__(name: str):
     # The scheduler pulls in more of the library; import it on first use.
     if name in ("Scheduler", "SchedulerOutput"):

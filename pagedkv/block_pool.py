@@ -47,6 +47,10 @@ class BlockPool:
         self.null_block.is_null = True
         self.num_evictions = 0
         self.trace: EventTrace | None = None
+        # When a KV cache manager drives the pool it sets this, and records the evictions itself once the
+        # evicted blocks sit in a block table (so a trace listener never sees a half-done allocation).
+        self.defer_eviction_events = False
+        self.deferred_evictions: list[tuple[int, BlockHash]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -133,13 +137,19 @@ class BlockPool:
         block.reset_hash()
         self.num_evictions += 1
         if self.trace is not None:
-            self.trace.record(
-                "evict",
-                None,
-                [block.block_id],
-                f"block {block.block_id} evicted (held prefix {short_hash(block_hash)})",
-            )
+            if self.defer_eviction_events:
+                self.deferred_evictions.append((block.block_id, block_hash))
+            else:
+                self.record_eviction(block.block_id, block_hash)
         return True
+
+    def record_eviction(self, block_id: int, block_hash: BlockHash, request_id: str | None = None) -> None:
+        """Record an ``evict`` event (when tracing)."""
+        if self.trace is not None:
+            by = f" for {request_id}" if request_id is not None else ""
+            self.trace.record(
+                "evict", request_id, [block_id], f"block {block_id} evicted{by} (held prefix {short_hash(block_hash)})"
+            )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a cache hit): ``ref_cnt + 1``; a block that was free (ref_cnt 0,

@@ -56,6 +56,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_fn)
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool.defer_eviction_events = True
         self.num_gpu_blocks = num_blocks
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each request already entered in the prefix cache.
@@ -175,6 +176,11 @@ class KVCacheManager:
             req_blocks[i] = dst
             self.block_pool.free_blocks([src])  # ref_cnt > 1, so it stays held by the other sharers
             new_blocks.append(dst)
+            self._flush_evictions(rid)
+            if i < self.num_cached_block.get(rid, 0):
+                # A full block copied before its KV was computed (a fork made before the parent's step
+                # completed): the private copy is cached again once it is written.
+                self.num_cached_block[rid] = i
             if i * self.block_size < request.num_computed_tokens:  # holds KV worth copying
                 self.pending_copies.append((src.block_id, dst.block_id))
                 if self.trace is not None:
@@ -189,6 +195,7 @@ class KVCacheManager:
         fresh = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(fresh)
         new_blocks.extend(fresh)
+        self._flush_evictions(rid)
         self.req_num_tokens[rid] = max(self.req_num_tokens.get(rid, 0), num_tokens_need_slot)
         if fresh and self.trace is not None:
             ids = [b.block_id for b in fresh]
@@ -199,6 +206,13 @@ class KVCacheManager:
             # Slots may run ahead of the tokens (a lookahead); only blocks of known tokens are hashed.
             self._cache_blocks(request, min(num_tokens_need_slot, request.num_tokens))
         return new_blocks
+
+    def _flush_evictions(self, request_id: str) -> None:
+        """Record the evictions of the blocks just taken for ``request_id``, now that they are in its table."""
+        pool = self.block_pool
+        for block_id, block_hash in pool.deferred_evictions:
+            pool.record_eviction(block_id, block_hash, request_id)
+        pool.deferred_evictions.clear()
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Enter the request's blocks that are full once ``num_tokens`` tokens are computed."""

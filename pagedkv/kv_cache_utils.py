@@ -172,8 +172,8 @@ class FreeKVCacheBlockQueue:
 # Block hashes (prefix caching)
 # --------------------------------------------------------------------------------------------------
 def builtin_hash(obj: Any) -> int:
-    """Python's ``hash``: fast, but strings and bytes hash differently in every process
-    (PYTHONHASHSEED), so these hashes must never leave the process."""
+    """Python's ``hash``: fast, but strings and bytes (and, before Python 3.12, ``None``) hash differently
+    in every process (PYTHONHASHSEED), so these hashes must never leave the process."""
     return hash(obj)
 
 

@@ -1,0 +1,128 @@
+"""The ``pagedkv`` command: grade exercises, build them from their sources, run benchmarks.
+
+    pagedkv grade [PATH...] [--json FILE] [--timeout S]   grade notebooks (default: exercises/)
+    pagedkv build-exercises [--check] [NAME...]           grading/source/ -> exercises/, solutions/, zips
+    pagedkv bench [NAME...]                               run the lab's benchmarks (see BENCHMARKS)
+
+``./lab grade``, ``./lab exercises`` and ``./lab bench`` call these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+#: Benchmarks that ``pagedkv bench`` runs: name -> module run with ``python -m``. Each module prints its own
+#: table (and may save a plot); add yours here.
+BENCHMARKS: dict[str, str] = {
+    "fragmentation": "pagedkv.fragmentation",  # lesson 1: the card's example and the block-size sweep
+    "block_pool": "pagedkv.benchmarks.block_pool",  # lesson 2: is the free-block queue O(1)?
+    "prefix_cache": "pagedkv.benchmarks.prefix_cache",  # lesson 3: lookup and hashing cost
+    "scheduler": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator
+    "kernels": "pagedkv.kernels.bench",  # lesson 6: decode kernels (tiny interpreter run on a CPU)
+}
+
+
+def _repo_root() -> Path:
+    from pagedkv.grading.build import repo_root
+
+    return repo_root()
+
+
+def _cmd_grade(args: argparse.Namespace) -> int:
+    from pagedkv.grading.grade import format_table, grade_paths, report_json
+
+    root = _repo_root()
+    paths = args.paths or [str(root / "exercises")]
+    autograder_dir = Path(args.autograder_dir) if args.autograder_dir else root / "grading" / "autograder"
+    if not autograder_dir.is_dir():
+        print(f"pagedkv grade: no autograder folder at {autograder_dir}", file=sys.stderr)
+        return 2
+
+    def progress(result) -> None:
+        if not args.quiet:
+            print(f"graded {result.notebook}: {result.score:g}/{result.possible:g} ({result.status}, "
+                  f"{result.seconds:.0f} s)", file=sys.stderr, flush=True)
+
+    results, problems = grade_paths(
+        paths, autograder_dir=autograder_dir, timeout=args.timeout, cell_timeout=args.cell_timeout,
+        jobs=args.jobs, on_result=progress,
+    )
+    for p in problems:
+        print(f"skipped: {p}", file=sys.stderr)
+    if results:
+        print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_json(results), indent=2) + "\n", encoding="utf-8")
+    if not results:
+        print("pagedkv grade: nothing was graded", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from pagedkv.grading.build import build_all
+
+    root = Path(args.root).resolve() if args.root else None
+    try:
+        return build_all(root, args.names or None, check=args.check)
+    except (ValueError, RuntimeError) as exc:
+        print(f"pagedkv build-exercises: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    names = args.names or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        print(f"pagedkv bench: unknown benchmark(s) {unknown}; known: {sorted(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    status = 0
+    for name in names:
+        print(f"== {name} ({BENCHMARKS[name]})", flush=True)
+        rc = subprocess.call([sys.executable, "-m", BENCHMARKS[name]])
+        if rc != 0:
+            print(f"pagedkv bench: {name} exited with status {rc}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedkv", description="PagedKV Lab: grade, build exercises, bench.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("grade", help="grade exercise notebooks (default: exercises/)")
+    g.add_argument("paths", nargs="*", metavar="PATH", help="notebooks or folders (default: exercises/)")
+    g.add_argument("--json", metavar="FILE", help='also write {"score", "possible", "notebooks"} to FILE')
+    g.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds per notebook before it is stopped and failed (default 300)")
+    g.add_argument("--cell-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds per cell before the cell is interrupted (default 60)")
+    g.add_argument("--jobs", "-j", type=int, default=None, help="notebooks graded at once (default: CPUs, max 4)")
+    g.add_argument("--autograder-dir", metavar="DIR", help="where the NN_name.zip files are "
+                   "(default: grading/autograder/ of this repository)")
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    g.set_defaults(func=_cmd_grade)
+
+    b = sub.add_parser("build-exercises", help="generate exercises/, solutions/ and the autograder zips")
+    b.add_argument("names", nargs="*", metavar="NAME", help="sets to build, e.g. 01 or 01_fragmentation (default: all)")
+    b.add_argument("--check", action="store_true", help="write nothing; exit 1 when a committed file is stale")
+    b.add_argument("--root", help=argparse.SUPPRESS)
+    b.set_defaults(func=_cmd_build)
+
+    r = sub.add_parser("bench", help="run benchmarks and print their tables")
+    r.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all of {sorted(BENCHMARKS)})")
+    r.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

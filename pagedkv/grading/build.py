@@ -1,0 +1,210 @@
+"""Build the exercise sets: ``grading/source/NN_name.ipynb`` -> exercises/, solutions/, grading/autograder/.
+
+Each source notebook is the single source of one exercise set (otter-grader's assign format: solutions and
+tests inside; see ``grading/README.md``). For every source, :func:`build_set` runs ``otter assign`` in a
+temporary folder and keeps three outputs:
+
+- ``exercises/NN_name.ipynb``: the learner's notebook (otter's student version: stubs, check cells, the
+  public tests in its metadata), without outputs;
+- ``solutions/NN_name.ipynb``: the completed notebook (otter's autograder version: the solutions, every test
+  in its metadata), without outputs;
+- ``grading/autograder/NN_name.zip``: what ``otter run`` needs to grade a submission: ``otter_config.json``
+  and ``tests/*.py`` with every test, hidden ones included.
+
+The outputs are made byte-for-byte reproducible (cell ids derived from the cells' content, no outputs or
+execution counts, zip entries sorted with a fixed date and mode), so ``pagedkv build-exercises --check``
+can rebuild into memory and report any committed file that differs: the sign that a source changed and
+``./lab exercises`` was not run. Otter's Gradescope files (setup.sh, environment.yml, run_autograder) are
+left out: they pin otter's own version, which would make the check fail whenever otter is upgraded, and
+``otter run`` does not read them (an instructor who wants Gradescope runs ``otter assign`` on the source).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import re
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+__all__ = ["BuiltSet", "SET_NAME", "build_all", "build_set", "check_source", "find_sources", "repo_root"]
+
+#: An exercise set's file name: two digits, an underscore, a lowercase name.
+SET_NAME = re.compile(r"^\d\d_[a-z0-9_]+$")
+
+#: Files of otter's autograder zip that ``otter run`` does not read (Gradescope image set-up).
+_GRADESCOPE_ONLY = {"environment.yml", "setup.sh", "run_autograder", "run_otter.py", "requirements.txt",
+                    "requirements.R", "run_autograder.r"}
+
+_ZIP_DATE = (2020, 1, 1, 0, 0, 0)
+
+
+def repo_root() -> Path:
+    """The repository this package lives in (an editable install: pagedkv/grading/build.py -> root)."""
+    return Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class BuiltSet:
+    """The three outputs of one exercise set, as bytes, with where they belong (relative to the root)."""
+
+    name: str
+    files: dict[str, bytes] = field(default_factory=dict)  # relative path -> content
+
+
+def find_sources(root: Path, names: list[str] | None = None) -> list[Path]:
+    """``grading/source/NN_name.ipynb`` files, sorted; ``names`` (``01`` or ``01_fragmentation``) selects."""
+    sources = sorted(p for p in (root / "grading" / "source").glob("*.ipynb") if SET_NAME.match(p.stem))
+    if names:
+        wanted = set(names)
+        picked = [p for p in sources if p.stem in wanted or p.stem[:2] in wanted]
+        unknown = wanted - {p.stem for p in picked} - {p.stem[:2] for p in picked}
+        if unknown:
+            raise ValueError(f"no exercise source named {sorted(unknown)} in grading/source/")
+        return picked
+    return sources
+
+
+def _normalise_notebook(nb: nbformat.NotebookNode) -> bytes:
+    """No outputs, no execution counts, cell ids from the cells' content; nbformat's own JSON layout."""
+    seen: dict[str, int] = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+            # otter's init cell, laid out as ruff's isort rule wants (a blank line after the import)
+            cell.source = cell.source.replace("import otter\ngrader = ", "import otter\n\ngrader = ")
+        cell.metadata.pop("execution", None)
+        digest = hashlib.sha1(f"{cell.cell_type}\n{cell.source}".encode()).hexdigest()[:10]
+        k = seen.get(digest, 0)
+        seen[digest] = k + 1
+        cell.id = f"c{digest}" + (f"-{k}" if k else "")
+    nb.nbformat, nb.nbformat_minor = 4, max(5, int(nb.get("nbformat_minor", 5)))
+    nbformat.validate(nb)
+    text = nbformat.writes(nb)
+    return (text if text.endswith("\n") else text + "\n").encode("utf-8")
+
+
+def _normalise_zip(path: Path) -> bytes:
+    """Otter's autograder zip, rewritten reproducibly: only what ``otter run`` reads, sorted, fixed dates."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
+        for name in sorted(src.namelist()):
+            if name.endswith("/") or name in _GRADESCOPE_ONLY:
+                continue
+            info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            info.create_system = 3  # unix, whatever the building machine
+            data = src.read(name)
+            if name == "otter_config.json":  # stable key order and layout
+                data = (json.dumps(json.loads(data), indent=2, sort_keys=True) + "\n").encode()
+            dst.writestr(info, data)
+    return out.getvalue()
+
+
+def check_source(source: Path) -> None:
+    """The rules otter does not enforce but the grader relies on (see grading/README.md): the first cell is
+    the raw ``# ASSIGNMENT CONFIG`` cell, its ``name`` is the file's stem (the grader matches notebooks to
+    zips by name and otter refuses a submission whose stored name differs), tests are exception-based."""
+    import yaml  # otter's dependency
+
+    nb = nbformat.read(source, as_version=4)
+    first = nb.cells[0] if nb.cells else None
+    if first is None or first.cell_type != "raw" or not first.source.lstrip().startswith("# ASSIGNMENT CONFIG"):
+        raise ValueError(f"{source.name}: the first cell must be a raw cell starting with '# ASSIGNMENT CONFIG'")
+    config = yaml.safe_load(first.source) or {}
+    if config.get("name") != source.stem:
+        raise ValueError(f"{source.name}: ASSIGNMENT CONFIG name is {config.get('name')!r}; it must be {source.stem!r}")
+    if (config.get("tests") or {}).get("ok_format") is not False:
+        raise ValueError(
+            f"{source.name}: set 'tests: ok_format: false' in ASSIGNMENT CONFIG (otter's default OK format turns a "
+            "def test_... cell into a doctest that never calls it, so it passes whatever the learner writes)"
+        )
+    if config.get("export_cell", True) is not False:
+        raise ValueError(f"{source.name}: set 'export_cell: false' (the export cell zips a submission for upload)")
+
+
+def build_set(source: Path) -> BuiltSet:
+    """Run ``otter assign`` on one source notebook and return its three outputs (nothing is written)."""
+    from otter.assign import main as otter_assign  # heavy import (pandas, ...): only when building
+
+    source = source.resolve()
+    check_source(source)
+    name = source.stem
+    with tempfile.TemporaryDirectory(prefix=f"pagedkv-assign-{name}-") as tmp:
+        dist = Path(tmp) / "dist"
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                otter_assign(str(source), str(dist), no_pdfs=True, no_run_tests=True)
+        except Exception as exc:
+            raise RuntimeError(
+                f"otter assign failed on {source.name}: {type(exc).__name__}: {exc}\n{log.getvalue()[-3000:]}"
+            ) from exc
+        student = dist / "student" / f"{name}.ipynb"
+        solution = dist / "autograder" / f"{name}.ipynb"
+        zips = sorted((dist / "autograder").glob("*.zip"))
+        if not (student.is_file() and solution.is_file() and len(zips) == 1):
+            raise RuntimeError(f"otter assign on {source.name} did not produce the expected files in {dist}")
+        built = BuiltSet(name)
+        built.files[f"exercises/{name}.ipynb"] = _normalise_notebook(nbformat.read(student, as_version=4))
+        built.files[f"solutions/{name}.ipynb"] = _normalise_notebook(nbformat.read(solution, as_version=4))
+        built.files[f"grading/autograder/{name}.zip"] = _normalise_zip(zips[0])
+    return built
+
+
+def _orphans(root: Path, names: set[str]) -> list[str]:
+    """Generated-looking files whose source is gone."""
+    found = []
+    for folder, suffix in (("exercises", ".ipynb"), ("solutions", ".ipynb"), ("grading/autograder", ".zip")):
+        for p in sorted((root / folder).glob(f"*{suffix}")):
+            if SET_NAME.match(p.stem) and p.stem not in names:
+                found.append(f"{folder}/{p.name}")
+    return found
+
+
+def build_all(root: Path | None = None, names: list[str] | None = None, *, check: bool = False,
+              echo=print) -> int:
+    """Build every exercise set (or those in ``names``). With ``check``, write nothing and report the
+    committed files that differ from a fresh build. Returns a process exit status: 0 when all is well."""
+    root = (root or repo_root()).resolve()
+    sources = find_sources(root, names)
+    if not sources:
+        echo(f"no exercise sources in {root / 'grading' / 'source'} (expected NN_name.ipynb)")
+        return 0
+    stale: list[str] = []
+    for source in sources:
+        built = build_set(source)
+        for rel, data in built.files.items():
+            path = root / rel
+            current = path.read_bytes() if path.is_file() else None
+            if current == data:
+                if not check:
+                    echo(f"  unchanged  {rel}")
+                continue
+            if check:
+                stale.append(rel + ("" if current is not None else " (missing)"))
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+                echo(f"  wrote      {rel}")
+    orphans = [] if names else _orphans(root, {s.stem for s in sources})
+    if check:
+        problems = stale + [f"{o} (no grading/source/{Path(o).stem}.ipynb)" for o in orphans]
+        if problems:
+            echo("Generated exercise files are stale; run `./lab exercises` (pagedkv build-exercises):")
+            for p in problems:
+                echo(f"  {p}")
+            return 1
+        echo(f"exercise files up to date ({len(sources)} set{'s' if len(sources) != 1 else ''})")
+        return 0
+    for o in orphans:
+        echo(f"  warning: {o} has no source in grading/source/ (left as it is)")
+    return 0

@@ -1,0 +1,267 @@
+"""Helpers for exercise tests: call the learner's code safely, and say exactly what went wrong.
+
+Every test in ``grading/source/NN_name.ipynb`` uses these so that a failure reads the same way everywhere:
+the call that failed, what came back, what was expected, and a hint when the mistake is a known one::
+
+    blocks_needed(40, 16) returned 2, expected 3. Hint: 40 tokens fill 2 blocks of 16 and spill 8 into a third
+
+A learner's function that raises, hangs or returns the wrong type never breaks the test itself: each ends
+as an ``AssertionError`` (which otter reports as that test case failing, with this message), so the check
+cell in the notebook and ``pagedkv grade`` show the same text. A call that runs longer than ``timeout``
+seconds is interrupted (SIGALRM, in the kernel's main thread) and reported as a probable infinite loop.
+
+Nothing here imports the learner's code or the reference answers; tests pass the learner's function in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CallTimeout",
+    "describe",
+    "expect_close",
+    "expect_equal",
+    "expect_raises",
+    "fail",
+    "format_call",
+    "require_function",
+    "run",
+    "time_limit",
+]
+
+#: Seconds one call of the learner's code may take before it counts as an infinite loop.
+DEFAULT_TIMEOUT = 5.0
+
+Hint = str | Callable[[Any], str | None] | None
+_SIZED = (list, tuple, dict, set, str, bytes)
+
+
+class CallTimeout(BaseException):
+    """Raised inside a learner's call that ran past its time limit.
+
+    A BaseException (like KeyboardInterrupt), so that a learner's ``except Exception`` cannot swallow it.
+    """
+
+
+def fail(message: str) -> None:
+    """Fail the current test case with ``message`` (shown to the learner verbatim)."""
+    raise AssertionError(message)
+
+
+def describe(value: Any, limit: int = 160) -> str:
+    """``repr(value)``, shortened to about ``limit`` characters (long lists keep their first and last items
+    and say how many there are)."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # a learner's object whose __repr__ raises
+        return f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
+    if len(text) <= limit:
+        return text
+    if isinstance(value, (list, tuple)) and len(value) > 3:
+        open_, close = ("[", "]") if isinstance(value, list) else ("(", ")")
+        tail = ", ".join(describe(v, 20) for v in value[-2:])
+        head: list[str] = []
+        for v in value[:-2]:
+            item = describe(v, 20)
+            if len(", ".join(head + [item])) + len(tail) + 30 > limit:
+                break
+            head.append(item)
+        return f"{open_}{', '.join(head)}, ..., {tail}{close} ({len(value)} items)"
+    text = text[: limit - 20] + " ... " + text[-12:]
+    if isinstance(value, _SIZED):
+        text += f" ({len(value)} items)"
+    return text
+
+
+def format_call(name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
+    """``name(arg, ..., key=value)`` as the learner would have typed it (long arguments shortened)."""
+    parts = [describe(a, 100) for a in args]
+    parts += [f"{k}={describe(v, 100)}" for k, v in (kwargs or {}).items()]
+    return f"{name}({', '.join(parts)})"
+
+
+def require_function(fn: Any, name: str) -> None:
+    """Fail unless ``fn`` (the learner's ``name``, as otter passed it in) is a function."""
+    if fn is None:
+        fail(f"{name} is not defined: run the cell that defines it (and the cells above it) first")
+    if not callable(fn):
+        fail(f"{name} should be a function, but it is {describe(fn)} ({type(fn).__name__})")
+    module = getattr(fn, "__module__", None) or ""
+    if module.startswith("pagedkv."):
+        fail(
+            f"{name} is the library's reference ({module}.{name}); write your own in the answer cell "
+            "instead of importing it"
+        )
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
+    """Interrupt the block with :class:`CallTimeout` after ``seconds`` (main thread on POSIX only; elsewhere
+    the block simply runs unbounded and the grader's per-notebook timeout is the backstop)."""
+    usable = (
+        seconds is not None
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    )
+    if not usable:
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise CallTimeout(f"{what} did not finish within {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, float(seconds))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _where(exc: BaseException) -> str:
+    """' (line 3 of the learner's cell: return n // b)' for the innermost frame, when it is known."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = (last.line or "").strip()
+    return f" (in {last.name}, line {last.lineno}: {code})" if code else f" (in {last.name}, line {last.lineno})"
+
+
+def run(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> Any:
+    """Call ``fn(*args, **kwargs)`` and return its result; a raise or a hang becomes a test failure that
+    names the call."""
+    label = format_call(name or getattr(fn, "__name__", "function"), args, kwargs)
+    try:
+        with time_limit(timeout, label):
+            return fn(*args, **(kwargs or {}))
+    except CallTimeout:
+        fail(f"{label} did not return within {timeout:g} s: is there an infinite loop?")
+    except Exception as exc:
+        fail(f"{label} raised {type(exc).__name__}: {exc}{_where(exc)}")
+
+
+def _is_int(x: Any) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, int):
+        return True
+    return type(x).__module__ == "numpy" and hasattr(x, "dtype") and x.dtype.kind in "iu" and x.ndim == 0
+
+
+def _mismatch(got: Any, expected: Any, rel: float, abs_tol: float) -> str | None:
+    """Why ``got`` is not ``expected`` (None when it is). Ints must be ints, lists must be sequences."""
+    if isinstance(expected, bool) or expected is None:
+        return None if got is expected else "wrong value"
+    if isinstance(expected, int):
+        if not _is_int(got):
+            return f"expected an int, got {type(got).__name__}"
+        return None if int(got) == expected else "wrong value"
+    if isinstance(expected, float):
+        if not isinstance(got, (int, float)) and not _is_int(got) and type(got).__module__ != "numpy":
+            return f"expected a number, got {type(got).__name__}"
+        try:
+            value = float(got)
+        except Exception:
+            return f"expected a number, got {type(got).__name__}"
+        return None if math.isclose(value, expected, rel_tol=rel, abs_tol=abs_tol) else "wrong value"
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            return f"expected a {type(expected).__name__}, got {type(got).__name__}"
+        if len(got) != len(expected):
+            return f"{len(got)} items instead of {len(expected)}"
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            why = _mismatch(g, e, rel, abs_tol)
+            if why is not None:
+                return f"item {i} is {describe(g, 40)}, expected {describe(e, 40)}"
+        return None
+    return None if got == expected else "wrong value"
+
+
+def _hint_text(hint: Hint, got: Any) -> str:
+    if hint is None:
+        return ""
+    text = hint(got) if callable(hint) else hint
+    return f" Hint: {text}." if text and not text.endswith((".", "!", "?")) else (f" Hint: {text}" if text else "")
+
+
+def expect_equal(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    expected: Any,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    name: str | None = None,
+    hint: Hint = None,
+    rel: float = 1e-9,
+    abs_tol: float = 1e-9,
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> Any:
+    """Call ``fn`` and fail unless it returns ``expected`` (ints as ints, floats within ``rel``/``abs_tol``,
+    lists item by item). ``hint`` is a string, or a function of the wrong result that returns one (or None).
+    Returns what ``fn`` returned."""
+    label = format_call(name or getattr(fn, "__name__", "function"), args, kwargs)
+    got = run(fn, args, kwargs, name=name, timeout=timeout)
+    why = _mismatch(got, expected, rel, abs_tol)
+    if why is None:
+        return got
+    message = f"{label} returned {describe(got)}, expected {describe(expected)}"
+    if got is None and expected is not None:
+        message += ". Is the function still the stub (...), or is a `return` missing?"
+    elif why != "wrong value":
+        message += f" ({why})"
+    hint_text = _hint_text(hint, got)
+    if hint_text and not message.endswith((".", "?")):
+        message += "."
+    fail(message + hint_text)
+    return got  # unreachable
+
+
+def expect_close(
+    fn: Callable[..., Any], args: Sequence[Any], expected: float, *, rel: float = 1e-6, abs_tol: float = 1e-9,
+    **options: Any,
+) -> Any:
+    """:func:`expect_equal` for floats, with a looser default tolerance."""
+    return expect_equal(fn, args, float(expected), rel=rel, abs_tol=abs_tol, **options)
+
+
+def expect_raises(
+    exc_type: type[BaseException],
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    name: str | None = None,
+    why: str = "",
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> None:
+    """Fail unless ``fn(*args)`` raises ``exc_type``; ``why`` says what was wrong with the input."""
+    label = format_call(name or getattr(fn, "__name__", "function"), args, kwargs)
+    reason = f" ({why})" if why else ""
+    try:
+        with time_limit(timeout, label):
+            got = fn(*args, **(kwargs or {}))
+    except CallTimeout:
+        fail(f"{label} did not return within {timeout:g} s: is there an infinite loop?")
+    except exc_type:
+        return
+    except Exception as exc:
+        fail(f"{label} raised {type(exc).__name__}: {exc}, expected {exc_type.__name__}{reason}{_where(exc)}")
+    else:
+        fail(f"{label} returned {describe(got)}, expected it to raise {exc_type.__name__}{reason}")

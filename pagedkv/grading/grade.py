@@ -1,0 +1,353 @@
+"""``pagedkv grade``: grade exercise notebooks headless, on copies, with a timeout per notebook.
+
+For each notebook (files given, or every ``*.ipynb`` under the folders given), the autograder zip is the one
+whose name matches the notebook's (``exercises/01_fragmentation.ipynb`` -> ``grading/autograder/
+01_fragmentation.zip``; a file such as ``01_fragmentation-alice.ipynb`` matches on its ``NN_`` prefix, and
+failing that the assignment name otter stored in the notebook decides). The notebook is copied to a
+temporary folder and graded there by :mod:`pagedkv.grading.worker` (``otter run``) in a process session of
+its own; the learner's file is never opened for writing.
+
+Whatever the notebook does, the outcome is a row per exercise: code that raises fails that exercise with the
+error's message, a call that hangs is interrupted by the test's own time limit, a cell that hangs by the
+per-cell limit, and a notebook still running at ``timeout`` seconds is killed, with each of its exercises
+failed as "timed out". The grader itself does not crash on a learner's notebook, and exits 0 when it graded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CaseResult",
+    "ExerciseResult",
+    "NotebookResult",
+    "find_autograder",
+    "find_notebooks",
+    "format_table",
+    "grade_notebook",
+    "grade_paths",
+    "report_json",
+]
+
+DEFAULT_TIMEOUT = 300.0  # seconds per notebook
+DEFAULT_CELL_TIMEOUT = 60.0  # seconds per cell
+
+
+@dataclass
+class CaseResult:
+    name: str
+    hidden: bool
+    points: float
+    passed: bool
+    message: str  # the failure, as the learner sees it ("" when passed)
+
+
+@dataclass
+class ExerciseResult:
+    name: str
+    score: float
+    possible: float
+    status: str  # "passed", "partial", "failed"
+    message: str  # the first failure ("" when passed)
+    cases: list[CaseResult] = field(default_factory=list)
+
+
+@dataclass
+class NotebookResult:
+    notebook: str  # the path as given
+    autograder: str | None
+    status: str  # "graded", "timeout", "error" (the exercises are then all failed)
+    score: float
+    possible: float
+    seconds: float
+    message: str = ""
+    exercises: list[ExerciseResult] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------ finding files
+def find_notebooks(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
+    """Notebooks named by ``paths`` (files, or folders searched recursively), and the paths that were not
+    usable (missing, or not notebooks), as messages."""
+    found: list[Path] = []
+    problems: list[str] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            nbs = sorted(
+                q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts and q.is_file()
+            )
+            if not nbs:
+                problems.append(f"{raw}: no .ipynb notebooks in this folder")
+            found.extend(nbs)
+        elif p.is_file() and p.suffix == ".ipynb":
+            found.append(p)
+        elif p.is_file():
+            problems.append(f"{raw}: not a notebook (.ipynb)")
+        else:
+            problems.append(f"{raw}: no such file or folder")
+    unique: list[Path] = []
+    for p in found:
+        if p.resolve() not in {q.resolve() for q in unique}:
+            unique.append(p)
+    return unique, problems
+
+
+def _assignment_name(notebook: Path) -> str | None:
+    try:
+        meta = json.loads(notebook.read_text(encoding="utf-8", errors="replace")).get("metadata", {})
+        name = meta.get("otter", {}).get("assignment_name")
+        return name if isinstance(name, str) else None
+    except Exception:  # noqa: BLE001 - unreadable notebooks are reported when graded
+        return None
+
+
+def find_autograder(notebook: Path, autograder_dir: Path) -> Path | None:
+    """The autograder zip for ``notebook``: same name, else same ``NN_`` prefix, else otter's assignment name."""
+    zips = {z.stem: z for z in sorted(autograder_dir.glob("*.zip"))}
+    if notebook.stem in zips:
+        return zips[notebook.stem]
+    m = re.match(r"^(\d\d)_", notebook.stem)
+    if m:
+        same = [z for stem, z in zips.items() if stem.startswith(m.group(0))]
+        if len(same) == 1:
+            return same[0]
+    name = _assignment_name(notebook)
+    if name and name in zips:
+        return zips[name]
+    return None
+
+
+def _expected_questions(zip_path: Path) -> list[tuple[str, float]]:
+    """(question, points) from the autograder zip's tests, for reporting a notebook that could not run.
+
+    Reads the test files' ``name`` and ``@test_case(points=...)`` lines without executing them."""
+    out = []
+    with zipfile.ZipFile(zip_path) as zf:
+        for entry in sorted(zf.namelist()):
+            if not (entry.startswith("tests/") and entry.endswith(".py")):
+                continue
+            text = zf.read(entry).decode("utf-8", errors="replace")
+            name = re.search(r'^name\s*=\s*["\'](.+?)["\']', text, re.M)
+            pts = [float(x) for x in re.findall(r"@test_case\(points=([0-9.]+)", text)]
+            cases = len(re.findall(r"@test_case\(", text))
+            total = sum(pts) if len(pts) == cases else float(cases)
+            out.append((name.group(1) if name else Path(entry).stem, total))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ grading
+def _first_failure(message: str) -> str:
+    """The learner-facing line of otter's failure text: the exception, without otter's line-number frame."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    for i, ln in enumerate(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b.*?:", ln) or re.match(
+            r"^[A-Za-z_][\w.]*(Error|Exception)$", ln
+        ):
+            return " ".join([ln] + lines[i + 1 :])
+    return " ".join(ln for ln in lines if not ln.startswith(("❌", "Error at line"))) or "failed"
+
+
+def _strip_exception_name(text: str) -> str:
+    return re.sub(r"^AssertionError:\s*", "", text)
+
+
+def _exercise_from_json(q: dict) -> ExerciseResult:
+    cases = [
+        CaseResult(
+            name=c["name"],
+            hidden=c["hidden"],
+            points=c["points"],
+            passed=c["passed"],
+            message="" if c["passed"] else _strip_exception_name(_first_failure(c["message"])),
+        )
+        for c in q["cases"]
+    ]
+    score, possible = float(q["score"]), float(q["possible"])
+    failed = [c for c in cases if not c.passed]
+    status = "passed" if not failed else ("partial" if score > 0 else "failed")
+    message = ""
+    if failed:
+        first = failed[0]
+        message = ("(hidden case) " if first.hidden else "") + first.message
+    return ExerciseResult(q["name"], score, possible, status, message, cases)
+
+
+def _all_failed(expected: list[tuple[str, float]], message: str) -> list[ExerciseResult]:
+    return [ExerciseResult(name, 0.0, pts, "failed", message) for name, pts in expected]
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def grade_notebook(
+    notebook: Path,
+    autograder: Path,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    shown_as: str | None = None,
+) -> NotebookResult:
+    """Grade one notebook against one autograder zip, on a copy, within ``timeout`` seconds."""
+    start = time.monotonic()
+    label = shown_as or str(notebook)
+    expected = _expected_questions(autograder)
+    possible = sum(p for _, p in expected)
+
+    def failed(status: str, message: str) -> NotebookResult:
+        return NotebookResult(label, str(autograder), status, 0.0, possible, time.monotonic() - start, message,
+                              _all_failed(expected, message))
+
+    with tempfile.TemporaryDirectory(prefix="pagedkv-grade-") as tmp:
+        work = Path(tmp)
+        copy = work / "submission" / notebook.name
+        copy.parent.mkdir()
+        try:
+            shutil.copyfile(notebook, copy)
+        except OSError as exc:
+            return failed("error", f"cannot read the notebook: {exc}")
+        out = work / "result.json"
+        log_path = work / "worker.log"
+        cmd = [
+            sys.executable, "-m", "pagedkv.grading.worker",
+            "--autograder", str(autograder.resolve()), "--notebook", str(copy), "--out", str(out),
+            "--cell-timeout", str(min(cell_timeout, timeout)),
+        ]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_session(proc)
+                return failed("timeout", f"timed out: the notebook was still running after {timeout:g} s")
+            finally:
+                if proc.poll() is None:
+                    _kill_session(proc)
+        if not out.is_file():
+            tail = log_path.read_bytes()[-600:].decode("utf-8", errors="replace").strip().splitlines()
+            last = tail[-1] if tail else f"exit status {proc.returncode}"
+            return failed("error", f"the grader's worker stopped without a result ({last[:200]})")
+        try:
+            payload = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return failed("error", f"unreadable grading result: {exc}")
+
+    if not payload.get("ok"):
+        return failed("error", payload.get("error") or "grading failed")
+    exercises = [_exercise_from_json(q) for q in payload["questions"]]
+    seen = {e.name for e in exercises}
+    exercises += _all_failed([(n, p) for n, p in expected if n not in seen], "not graded (its test never ran)")
+    score = sum(e.score for e in exercises)
+    possible = sum(e.possible for e in exercises)
+    return NotebookResult(label, str(autograder), "graded", score, possible, time.monotonic() - start, "",
+                          exercises)
+
+
+def grade_paths(
+    paths: Iterable[str | Path],
+    *,
+    autograder_dir: Path,
+    timeout: float = DEFAULT_TIMEOUT,
+    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    jobs: int | None = None,
+    on_result: Callable[[NotebookResult], None] | None = None,
+) -> tuple[list[NotebookResult], list[str]]:
+    """Grade every notebook found under ``paths`` (``jobs`` at a time); return the results, in the order
+    found, and the problems (paths skipped, notebooks without an autograder)."""
+    notebooks, problems = find_notebooks(paths)
+    work: list[tuple[Path, Path]] = []
+    for nb in notebooks:
+        zip_path = find_autograder(nb, autograder_dir)
+        if zip_path is None:
+            problems.append(f"{nb}: no autograder zip for it in {autograder_dir} (expected {nb.stem}.zip)")
+        else:
+            work.append((nb, zip_path))
+    if jobs is None:
+        jobs = max(1, min(len(work), os.cpu_count() or 1, 4))
+
+    def one(item: tuple[Path, Path]) -> NotebookResult:
+        nb, zip_path = item
+        try:
+            result = grade_notebook(nb, zip_path, timeout=timeout, cell_timeout=cell_timeout, shown_as=str(nb))
+        except Exception as exc:  # noqa: BLE001 - never let one notebook stop the others
+            result = NotebookResult(str(nb), str(zip_path), "error", 0.0, 0.0, 0.0,
+                                    f"grading failed: {type(exc).__name__}: {exc}")
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(one, work))
+    return results, problems
+
+
+# ------------------------------------------------------------------------------------------ reporting
+def _fmt_points(x: float) -> str:
+    return f"{x:g}"
+
+
+def _display_path(path: str) -> str:
+    """The path relative to the working folder when it is inside it, else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
+def _clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_table(results: list[NotebookResult], message_width: int = 300) -> str:
+    """The score table: one row per exercise, a total per notebook and overall."""
+    rows = [("notebook", "exercise", "points", "status", "first failure")]
+    for r in results:
+        name = _display_path(r.notebook)
+        for e in r.exercises:
+            rows.append((name, e.name, f"{_fmt_points(e.score)}/{_fmt_points(e.possible)}", e.status,
+                         _clip(e.message, message_width)))
+        total_status = r.status if r.status != "graded" else f"graded in {r.seconds:.0f} s"
+        rows.append((name, "TOTAL", f"{_fmt_points(r.score)}/{_fmt_points(r.possible)}", total_status,
+                     _clip(r.message, message_width)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 13)
+    score = sum(r.score for r in results)
+    possible = sum(r.possible for r in results)
+    lines.append(f"\nscore: {_fmt_points(score)} / {_fmt_points(possible)}")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def report_json(results: list[NotebookResult]) -> dict:
+    """``{"score": float, "possible": float, "notebooks": [...]}`` (each notebook: its exercises and cases)."""
+    return {
+        "score": float(sum(r.score for r in results)),
+        "possible": float(sum(r.possible for r in results)),
+        "notebooks": [asdict(r) for r in results],
+    }

@@ -1,0 +1,161 @@
+"""``BlockTableWidget``: a recorded trace of the KV cache, animated in the browser.
+
+The animation runs in JavaScript (``static/block_table.js``, loaded by anywidget): the kernel sends the
+frames once and never sleeps. Play, pause, step, scrub and change the speed in the browser; ``widget.frame``
+follows the view (and setting it from Python moves the view).
+
+When the widget is displayed, a static SVG of one frame (``static_frame``; by default the last, which sums
+the run up) is published as a second output: HTML showing the SVG as an image, plus ``image/svg+xml``. Where
+the live widget renders, its stylesheet hides that picture. Where it cannot, the picture is what the reader
+sees: an nbconvert HTML export, GitHub's preview, a front end without widgets, and JupyterLab itself on a
+notebook it does not trust yet (a fresh clone: Lab will not run widget code from untrusted outputs, and its
+HTML sanitiser strips inline SVG but keeps an ``<img>`` data URI). It is a separate output rather than a
+second type in the widget's own bundle because nbconvert always chooses the widget type when the notebook
+stores widget state (nbclient and ``nbconvert --execute`` store it by default), and would drop the picture.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anywidget
+import traitlets
+
+from pagedkv.widgets.frames import ROLES, encode_views, request_colours, request_order, roles_used, view_frames
+from pagedkv.widgets.svg import render_view_svg
+
+STATIC = pathlib.Path(__file__).parent / "static"
+
+#: Frames per second offered by the speed menu.
+SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+class BlockTableWidget(anywidget.AnyWidget):
+    """Animate a trace of block-pool states (``TraceRecorder.frames``) in the notebook.
+
+    ``frames``: the frames ``[{"event": ..., "state": ...}, ...]`` or a ``TraceRecorder``.
+    ``frame``: the frame shown first (default ``-1``: the last one, so the picture summarises the run;
+    pressing play from the end starts again at frame 0). ``fps``: frames per second when playing.
+    ``loop``: start again after the last frame. ``title``: a heading. ``static``: also publish the
+    static SVG picture when displayed (default ``True``). ``static_frame``: the frame that picture shows
+    (default ``-1``, the last; an empty pool at frame 0 would tell an exported notebook's reader nothing).
+    """
+
+    _esm = STATIC / "block_table.js"
+    _css = STATIC / "block_table.css"
+
+    frames = traitlets.List().tag(sync=True)  # view frames, delta-encoded (frames.encode_views)
+    frame = traitlets.Int(0).tag(sync=True)
+    fps = traitlets.Float(2.0).tag(sync=True)
+    loop = traitlets.Bool(False).tag(sync=True)
+    title = traitlets.Unicode("").tag(sync=True)
+    colors = traitlets.Dict().tag(sync=True)  # request id -> [background, text]
+    request_ids = traitlets.List().tag(sync=True)  # legend order
+    roles = traitlets.Dict().tag(sync=True)  # highlight role -> [colour, label]
+    legend_roles = traitlets.List().tag(sync=True)
+    speeds = traitlets.List().tag(sync=True)
+
+    def __init__(
+        self,
+        frames: Sequence[Mapping[str, Any]] | Any,
+        *,
+        frame: int = -1,
+        fps: float = 2.0,
+        loop: bool = False,
+        title: str = "",
+        static: bool = True,
+        static_frame: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        raw = getattr(frames, "frames", frames)  # a TraceRecorder, or the frames themselves
+        views = view_frames(raw)
+        n = len(views)
+        if not isinstance(frame, int) or not -n <= frame < n:
+            raise ValueError(f"frame must be an int in [{-n}, {n - 1}] for {n} frames, got {frame!r}")
+        if not isinstance(static_frame, int) or not -n <= static_frame < n:
+            raise ValueError(f"static_frame must be an int in [{-n}, {n - 1}] for {n} frames, got {static_frame!r}")
+        if not fps > 0:
+            raise ValueError(f"fps must be > 0, got {fps!r}")
+        ids = request_order(raw)
+        self.views = views  # the decoded views, for the static pictures
+        self._static = static
+        self._static_frame = static_frame % n
+        super().__init__(
+            frames=encode_views(views),
+            frame=frame % n,
+            fps=float(fps),
+            loop=loop,
+            title=title,
+            colors=request_colours(ids),
+            request_ids=ids,
+            roles={k: list(v) for k, v in ROLES.items()},
+            legend_roles=roles_used(views),
+            speeds=list(SPEEDS),
+            **kwargs,
+        )
+
+    @traitlets.validate("frames")
+    def _check_frames(self, proposal: dict[str, Any]) -> list[dict[str, Any]]:
+        encoded = proposal["value"]
+        if not encoded or not isinstance(encoded[0], dict) or not encoded[0].get("full"):
+            raise traitlets.TraitError("frames must be encoded views; build a new BlockTableWidget(frames) instead")
+        return encoded
+
+    @classmethod
+    def from_recorder(cls, recorder: Any, **kwargs: Any) -> BlockTableWidget:
+        """The widget over everything ``recorder`` (a ``TraceRecorder``) has stored so far."""
+        return cls(recorder.frames, **kwargs)
+
+    @traitlets.validate("frame")
+    def _check_frame(self, proposal: dict[str, Any]) -> int:
+        k = proposal["value"]
+        n = len(self.frames)
+        if n and not 0 <= k < n:
+            raise traitlets.TraitError(f"frame must be in [0, {n - 1}], got {k}")
+        return k
+
+    # --- the static picture ---------------------------------------------------------------------------
+    def to_svg(self, index: int | None = None) -> str:
+        """The SVG of frame ``index`` (default: the current frame), drawn as the widget draws it."""
+        k = self.frame if index is None else index
+        n = len(self.frames)
+        if not -n <= k < n:
+            raise ValueError(f"frame index {k} is out of range for {n} frames")
+        return render_view_svg(
+            self.views[k % n], self.colors, title=self.title, total=n, legend_roles=self.legend_roles,
+            request_ids=self.request_ids,
+        )  # fmt: skip
+
+    def static_mimebundle(self, index: int | None = None) -> dict[str, str]:
+        """The static picture of frame ``index`` (default: the current frame) as an output, three ways: HTML
+        showing the SVG as an ``<img>`` data URI (it survives the sanitiser JupyterLab applies to an untrusted
+        notebook's HTML, which strips inline SVG; the widget's stylesheet hides it wherever the live widget
+        renders), the bare SVG, and a line of text."""
+        svg = self.to_svg(index)
+        k = self.frame if index is None else index % len(self.frames)
+        data_uri = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode("ascii")
+        caption = html.escape(self.views[k]["caption"], quote=True)
+        return {
+            "text/html": (
+                f'<div class="pkv-static-fallback" data-frame-index="{k}">'
+                f'<img src="{data_uri}" alt="block table, frame {k}: {caption}" style="max-width: 100%"/></div>'
+            ),
+            "image/svg+xml": svg,
+            "text/plain": f"[block table, frame {k} of {len(self.frames) - 1}: {self.views[k]['caption']}]",
+        }
+
+    def __repr__(self) -> str:
+        n = len(self.frames)
+        return f"BlockTableWidget({n} frames, showing frame {self.frame}; run this cell to animate it)"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import publish_display_data
+
+        data, metadata = self._repr_mimebundle_()
+        publish_display_data(data, metadata)
+        if self._static:
+            publish_display_data(self.static_mimebundle(self._static_frame), {"pagedkv": {"static_fallback": True}})

@@ -1,0 +1,54 @@
+"""Every lesson (``notebooks/*.ipynb``) and every completed exercise set (``solutions/*.ipynb``) runs top to
+bottom without an error, in a fresh kernel, with the notebook's own folder as the working directory.
+
+Notebooks are found by glob, so a new lesson is tested as soon as it lands. Each cell has a time limit
+(``CELL_TIMEOUT``); nothing is written back to the notebooks. In ``solutions/`` the check cells run the
+tests too (``grader.check``), so a failing check shows up here as well as in ``test_grading.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+ROOT = Path(__file__).resolve().parents[1]
+CELL_TIMEOUT = 600  # seconds per cell (the kernel lesson's interpreter runs are the slowest)
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+@pytest.mark.slow
+@pytest.mark.notebooks
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[f"{p.parent.name}/{p.name}" for p in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    otter_log = path.parent / ".OTTER_LOG"  # otter's grader.check writes one into the working folder
+    had_log = otter_log.exists()
+    client = NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT,
+        kernel_name="python3",
+        allow_errors=False,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # drop the traceback's colours
+        pytest.fail(f"{path.relative_to(ROOT)} failed:\n{plain[-4000:]}", pytrace=False)
+    finally:
+        if not had_log and otter_log.exists():
+            otter_log.unlink()
+    if path.parent.name == "solutions":
+        # a check cell that fails does not raise: look at what it displayed
+        for cell in nb.cells:
+            if cell.cell_type == "code" and "grader.check(" in cell.source:
+                text = "".join(
+                    str(out.get("data", {}).get("text/plain", "")) + str(out.get("text", "")) for out in cell.outputs
+                )
+                assert "❌" not in text and "Test case failed" not in text, f"{cell.source}: {text[-2000:]}"
