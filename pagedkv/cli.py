@@ -21,7 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "fragmentation": "pagedkv.fragmentation",  # lesson 1: the card's example and the block-size sweep
     "block_pool": "pagedkv.benchmarks.block_pool",  # lesson 2: is the free-block queue O(1)?
     "prefix_cache": "pagedkv.benchmarks.prefix_cache",  # lesson 3: lookup and hashing cost
-    "scheduler": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator
+    "scheduling": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator
     "kernels": "pagedkv.kernels.bench",  # lesson 6: decode kernels (tiny interpreter run on a CPU)
 }
 
