@@ -153,10 +153,15 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a cache hit): ``ref_cnt + 1``; a block that was free (ref_cnt 0,
-        a cached prefix nobody held) leaves the free queue, so it can no longer be evicted.
-        Mirrors ``BlockPool.touch``."""
+        a cached prefix nobody held) leaves the free queue, so it can no longer be evicted. The null block and
+        blocks of another pool raise ``ValueError`` before anything changes. Mirrors ``BlockPool.touch``."""
+        blocks = list(blocks)
+        own, n = self.blocks, self.num_gpu_blocks
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null or not (0 <= block.block_id < n and own[block.block_id] is block):
+                raise ValueError(f"cannot touch {block!r}: not a usable block of this pool")
+        for block in blocks:
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -171,17 +176,16 @@ class BlockPool:
         Mirrors ``BlockPool.free_blocks``.
         """
         blocks = list(ordered_blocks)
-        counts = Counter(id(b) for b in blocks)
+        own = self.blocks
         for block in blocks:
-            if not (0 <= block.block_id < self.num_gpu_blocks and self.blocks[block.block_id] is block):
-                raise ValueError(f"{block!r} does not belong to this pool")
-            if block.is_null:
-                raise ValueError("cannot free the null block (block 0): it is never handed out")
-            if counts[id(block)] > block.ref_cnt:
-                raise ValueError(
-                    f"cannot free block {block.block_id}: ref_cnt is {block.ref_cnt} "
-                    f"but it is freed {counts[id(block)]} time(s) (already free?)"
-                )
+            if block.ref_cnt <= 0 or block.is_null or own[block.block_id] is not block:
+                self._raise_bad_free(blocks, block)
+        if len(blocks) > 1:
+            counts = Counter(id(b) for b in blocks)
+            if len(counts) != len(blocks):
+                for block in blocks:
+                    if counts[id(block)] > block.ref_cnt:
+                        self._raise_bad_free(blocks, block)
         to_head: list[KVCacheBlock] = []
         for block in blocks:
             block.ref_cnt -= 1
@@ -191,6 +195,17 @@ class BlockPool:
                 else:
                     self.free_block_queue.append(block)
         self.free_block_queue.appendleft_n(to_head)
+
+    def _raise_bad_free(self, blocks: list[KVCacheBlock], block: KVCacheBlock) -> None:
+        if not (0 <= block.block_id < self.num_gpu_blocks and self.blocks[block.block_id] is block):
+            raise ValueError(f"{block!r} does not belong to this pool")
+        if block.is_null:
+            raise ValueError("cannot free the null block (block 0): it is never handed out")
+        times = sum(1 for b in blocks if b is block)
+        raise ValueError(
+            f"cannot free block {block.block_id}: ref_cnt is {block.ref_cnt} but it is freed {times} time(s)"
+            " (already free?)"
+        )
 
     # --- whole-pool operations ----------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

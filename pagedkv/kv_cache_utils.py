@@ -78,43 +78,63 @@ class FreeKVCacheBlockQueue:
     """
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        blocks = list(blocks)
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("a block appears twice in the blocks given to the free queue")
+        for block in blocks:
+            if block.prev_free_block is not None:
+                raise ValueError(f"block {block.block_id} is already in a free queue")
         self.num_free_blocks = len(blocks)
         self.fake_free_list_head = KVCacheBlock(block_id=-1)
         self.fake_free_list_tail = KVCacheBlock(block_id=-1)
         prev = self.fake_free_list_head
         for block in blocks:
-            if block.in_free_queue:
-                raise ValueError(f"block {block.block_id} is already in a free queue")
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
         prev.next_free_block = self.fake_free_list_tail
         self.fake_free_list_tail.prev_free_block = prev
 
+    # The operations below are written out in full rather than sharing link/unlink helpers: each is a few
+    # pointer updates, and in CPython a helper call costs as much as the updates themselves.
+
     # --- removing -----------------------------------------------------------------------------------
     def popleft(self) -> KVCacheBlock:
         """Take the head block off the queue. Raises ``ValueError`` when the queue is empty."""
-        first = self.fake_free_list_head.next_free_block
-        if first is None or first is self.fake_free_list_tail:
+        head = self.fake_free_list_head
+        first = head.next_free_block
+        if first is self.fake_free_list_tail or first is None:
             raise ValueError("No free blocks available: popleft() on an empty free queue")
-        self._unlink(first)
+        nxt = first.next_free_block
+        head.next_free_block = nxt
+        nxt.prev_free_block = head  # type: ignore[union-attr]
+        first.prev_free_block = first.next_free_block = None
+        self.num_free_blocks -= 1
         return first
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks from the head, in order. ``ValueError`` (and no change) if fewer are free."""
         if n < 0 or n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks: {self.num_free_blocks} are free")
-        return [self.popleft() for _ in range(n)]
+        head = self.fake_free_list_head
+        out: list[KVCacheBlock] = []
+        block = head.next_free_block
+        for _ in range(n):
+            assert block is not None
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            out.append(block)
+            block = nxt
+        head.next_free_block = block
+        block.prev_free_block = head  # type: ignore[union-attr]
+        self.num_free_blocks -= n
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """Take ``block`` out of the middle of the queue (a cache hit on a free cached block)."""
-        if not block.in_free_queue:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        self._unlink(block)
-
-    def _unlink(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
-        assert prev is not None and nxt is not None
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
@@ -123,35 +143,54 @@ class FreeKVCacheBlockQueue:
     # --- adding -------------------------------------------------------------------------------------
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail: it is handed out (evicted) last."""
-        self._link_before(self.fake_free_list_tail, block)
+        if block.prev_free_block is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        tail = self.fake_free_list_tail
+        last = tail.prev_free_block
+        last.next_free_block = block  # type: ignore[union-attr]
+        block.prev_free_block = last
+        block.next_free_block = tail
+        tail.prev_free_block = block
+        self.num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for block in blocks:
-            self.append(block)
+        """Put ``blocks`` at the tail, in order. ``ValueError`` (and no change) if one is already queued."""
+        self._insert_after(self.fake_free_list_tail.prev_free_block, list(blocks))  # type: ignore[arg-type]
 
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the head: it is handed out next."""
-        head_next = self.fake_free_list_head.next_free_block
-        assert head_next is not None
-        self._link_before(head_next, block)
+        if block.prev_free_block is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        head = self.fake_free_list_head
+        first = head.next_free_block
+        head.next_free_block = block
+        block.prev_free_block = head
+        block.next_free_block = first
+        first.prev_free_block = block  # type: ignore[union-attr]
+        self.num_free_blocks += 1
 
     def appendleft_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put ``blocks`` at the head as a group, in order: ``blocks[0]`` becomes the new head."""
-        anchor = self.fake_free_list_head.next_free_block
-        assert anchor is not None
-        for block in blocks:
-            self._link_before(anchor, block)
+        """Put ``blocks`` at the head as a group, in order: ``blocks[0]`` becomes the new head.
+        ``ValueError`` (and no change) if one is already queued."""
+        self._insert_after(self.fake_free_list_head, list(blocks))
 
-    def _link_before(self, anchor: KVCacheBlock, block: KVCacheBlock) -> None:
-        if block.in_free_queue:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
-        prev = anchor.prev_free_block
-        assert prev is not None
-        prev.next_free_block = block
-        block.prev_free_block = prev
-        block.next_free_block = anchor
-        anchor.prev_free_block = block
-        self.num_free_blocks += 1
+    def _insert_after(self, anchor: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        for block in blocks:
+            if block.prev_free_block is not None:
+                raise ValueError(f"block {block.block_id} is already in the free queue")
+        if len(blocks) > 1 and len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("a block appears twice in the blocks to queue")
+        after = anchor.next_free_block
+        prev = anchor
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = after
+        after.prev_free_block = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
 
     # --- reading ------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[KVCacheBlock]:

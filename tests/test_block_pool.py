@@ -129,3 +129,14 @@ def test_cache_full_blocks_computes_missing_hashes_when_given_the_block_size():
     blocks.append(KVCacheBlock(block_id=2))
     pool.cache_full_blocks(req, blocks, num_cached_blocks=2, num_full_blocks=3, block_size=4)
     assert len(pool.cached_block_hash_to_block) == 3
+
+
+def test_touch_refuses_the_null_block_and_foreign_blocks_without_change():
+    pool, other = BlockPool(4), BlockPool(4)
+    (a,) = pool.get_new_blocks(1)
+    with pytest.raises(ValueError):
+        pool.touch([a, pool.null_block])
+    with pytest.raises(ValueError):
+        pool.touch([a, other.blocks[2]])  # a free block of another pool
+    assert a.ref_cnt == 1 and pool.null_block.ref_cnt == 0
+    assert other.get_num_free_blocks() == 3 and free_ids(other) == [1, 2, 3]

@@ -95,3 +95,19 @@ def _last_popped(q, blocks, model, out):
     # the id just popped is the one not in the model nor in `out`
     present = set(model) | set(out)
     return next(b.block_id for b in blocks if b.block_id not in present)
+
+
+def test_bad_construction_and_bulk_appends_change_nothing():
+    b0, b1 = KVCacheBlock(0), KVCacheBlock(1)
+    with pytest.raises(ValueError):
+        FreeKVCacheBlockQueue([b0, b1, b0])
+    assert b0.prev_free_block is None and b1.prev_free_block is None
+    blocks, q = make(4)
+    taken = q.popleft_n(2)
+    with pytest.raises(ValueError):
+        q.append_n([taken[0], blocks[3]])  # block 3 is still queued
+    with pytest.raises(ValueError):
+        q.appendleft_n([taken[0], taken[0]])
+    assert ids(q) == [2, 3] and taken[0].prev_free_block is None
+    q.append_n(taken)
+    assert ids(q) == [2, 3, 0, 1]
