@@ -1,0 +1,158 @@
+"""Input checks and small helpers shared by the kernels' Python launchers.
+
+Every launcher validates before it launches: a kernel handed a wrong shape does not raise, it reads
+the wrong memory. So shapes, dtypes, devices and the block tables are checked here, each failure a
+ValueError that says what was wrong; nothing is written before the checks pass.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E), and exp2 is the cheaper instruction
+LN2 = 0.6931471805599453  # ln(2): converts a log2-domain log-sum-exp back to natural log
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreter_on() -> bool:
+    """True when Triton runs kernels in its NumPy interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (``tl.arange`` sizes must be powers of two)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact fp32 ("ieee") for fp32 inputs, the default otherwise.
+
+    On a GPU, fp32 ``tl.dot`` defaults to TF32 (10 mantissa bits), which would miss the fp32 tolerance.
+    """
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but query is on {device}: all tensors must share a device")
+
+
+def check_runnable(device: torch.device) -> None:
+    """CPU tensors need the interpreter; CUDA tensors need a CUDA build of torch (checked by torch)."""
+    if device.type == "cpu" and not interpreter_on():
+        raise ValueError(
+            "CPU tensors can only run in Triton's interpreter: set TRITON_INTERPRET=1 before importing "
+            "pagedkv.kernels (it is set for you when no CUDA GPU is present), or move the tensors to CUDA"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensors are on {device}; these kernels run on CUDA (or on CPU in the interpreter)")
+
+
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected float16, bfloat16 or float32")
+    if t.dtype == torch.bfloat16 and interpreter_on():
+        raise ValueError(
+            f"{name} is bfloat16, which Triton's interpreter does not support: use float16 or float32 on CPU"
+        )
+
+
+def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Both caches ``[num_blocks, block_size, Hkv, D]``, same shape and dtype, head_dim contiguous."""
+    if key_cache.dim() != 4:
+        raise ValueError(
+            f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim]; got shape {tuple(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} differs from key_cache shape {tuple(key_cache.shape)}"
+        )
+    if value_cache.stride() != key_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same strides")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype {key_cache.dtype}")
+    check_float_dtype("key_cache", key_cache)
+    if key_cache.stride(-1) != 1:
+        raise ValueError("key_cache and value_cache must be contiguous along head_dim (stride(-1) == 1)")
+    if min(key_cache.shape) < 1:
+        raise ValueError(f"key_cache has an empty dimension: shape {tuple(key_cache.shape)}")
+
+
+def check_block_tables(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    batch: int,
+    num_blocks: int,
+    block_size: int,
+    min_len: int = 1,
+) -> int:
+    """Check the block tables against the sequence lengths; return the longest sequence length.
+
+    Reads ``seq_lens`` and the used part of ``block_tables`` back to the host (one synchronisation), so the
+    fast paths can skip it with ``validate=False`` once the inputs are known to be good.
+    """
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(
+            f"block_tables must be a 2-D int32 tensor [batch, max_blocks]; got {block_tables.dtype} "
+            f"of shape {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+        raise ValueError(
+            f"seq_lens must be a 1-D int32 tensor [batch]; got {seq_lens.dtype} of shape {tuple(seq_lens.shape)}"
+        )
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"batch sizes disagree: query has {batch} sequences, block_tables {block_tables.shape[0]}, "
+            f"seq_lens {seq_lens.shape[0]}"
+        )
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous along its last dimension")
+    lens = seq_lens.cpu().long()
+    if batch == 0:
+        return 0
+    if int(lens.min()) < min_len:
+        bad = int(torch.argmin(lens))
+        raise ValueError(f"seq_lens[{bad}] = {int(lens[bad])}; every sequence needs at least {min_len} cached token(s)")
+    needed = (lens + block_size - 1) // block_size  # [B] blocks each sequence uses
+    width = block_tables.shape[1]
+    if int(needed.max()) > width:
+        bad = int(torch.argmax(needed))
+        raise ValueError(
+            f"block table too short: seq_lens[{bad}] = {int(lens[bad])} needs {int(needed[bad])} blocks of "
+            f"{block_size} tokens, but block_tables has only {width} columns"
+        )
+    used = torch.arange(width)[None, :] < needed[:, None]  # [B, max_blocks]
+    ids = block_tables.cpu()[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(
+            f"block_tables holds block id {int(ids.min()) if int(ids.min()) < 0 else int(ids.max())}, "
+            f"outside the cache's 0..{num_blocks - 1}"
+        )
+    return int(lens.max())
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number; got {scale}")
+    return scale
+
+
+def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Return ``out`` (checked to match ``like`` in shape, dtype, device) or a fresh tensor like ``like``."""
+    if out is None:
+        return torch.empty_like(like)
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(
+            f"out must be {tuple(like.shape)} {like.dtype} on {like.device}; "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous along head_dim")
+    return out

@@ -1,0 +1,211 @@
+"""Decode version 4: split-K (flash-decoding) -- the context split across programs, then a reduce.
+
+Versions 2 and 3 launch ``B * Hkv`` programs. At batch 1 with 8 KV heads that is 8 programs on a GPU
+with 132 multiprocessors: 124 of them idle while 8 walk a 32k-token context alone. Split-K cuts each
+sequence's tiles into ``num_splits`` contiguous slices and gives each slice its own program, grid
+``(B, Hkv, num_splits)``. Each program runs version 3's loop over its slice and writes
+
+- a partial output ``o_s = acc_s / l_s`` (fp32, normalised over its slice), and
+- its log-sum-exp ``lse_s = ln(sum over its slice of exp(score))`` (fp32, natural log),
+
+and a second, tiny kernel merges the slices of each (sequence, query head):
+
+    out = sum_s exp(lse_s - M) * o_s  /  sum_s exp(lse_s - M),      M = max_s lse_s
+
+which is exactly softmax attention over the whole context (subtracting ``M`` keeps ``exp`` in range).
+A slice past a short sequence's end visits no tile and writes ``lse = -inf``, weight 0.
+
+The extra traffic is ``B * Hq * num_splits * (D + 1) * 4`` bytes written and read back, small next to
+the KV cache (``2 * B * L * Hkv * D * 2`` bytes) as long as each slice covers a few hundred tokens;
+``choose_num_splits`` enforces that and otherwise splits until the GPU has enough programs in flight.
+
+Mirrors: vLLM's ``paged_attention_v2_kernel`` + ``paged_attention_v2_reduce_kernel``
+(csrc/attention/attention_kernels.cuh), and the two stages of
+vllm/attention/ops/triton_decode_attention.py (``_fwd_grouped_kernel_stage1`` / ``_fwd_kernel_stage2``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LN2, LOG2E, dot_precision, next_pow2
+from .decode_v3 import NUM_STAGES, NUM_WARPS, TILE_TOKENS, _attend_tiles
+
+_LN2 = tl.constexpr(LN2)  # globals a kernel reads must be constexpr
+_LOG2E = tl.constexpr(LOG2E)
+
+MIN_TOKENS_PER_SPLIT = 256  # below this a slice's fixed cost (its q load, its partial write) shows
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4  # programs to keep in flight per multiprocessor so loads overlap
+DEFAULT_NUM_SMS = 132  # an H100 SXM; used when no GPU is present to ask
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> int:
+    """How many slices to cut each sequence's context into so the GPU is full.
+
+    ``B * Hkv`` programs exist without splitting. If that already reaches ``PROGRAMS_PER_SM * num_sms``,
+    splitting only adds the reduce: return 1. Otherwise split enough to reach it, but never into slices
+    shorter than ``MIN_TOKENS_PER_SPLIT`` tokens and never more than ``MAX_SPLITS``. Examples on 132 SMs:
+    (B=1, Hkv=8, L=32768) -> 64; (B=8, Hkv=8, L=4096) -> 9; (B=64, Hkv=8, L=4096) -> 2; (B=256, ...) -> 1.
+
+    Mirrors: the ``max_num_partitions`` choice of vLLM's ``paged_attention_v2`` (fixed 512-token
+    partitions) and flash-attn's ``num_splits_heuristic`` (fill the SMs, cap the splits).
+    """
+    if min(batch, num_kv_heads, max_seq_len, num_sms) < 1:
+        raise ValueError(
+            f"choose_num_splits needs positive sizes; got batch={batch}, num_kv_heads={num_kv_heads}, "
+            f"max_seq_len={max_seq_len}, num_sms={num_sms}"
+        )
+    programs = batch * num_kv_heads
+    target = PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        return 1
+    wanted = -(-target // programs)
+    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    o_part_ptr,  # [B, Hq, S, D] fp32: each slice's normalised output
+    lse_ptr,  # [B, Hq, S] fp32: each slice's natural-log log-sum-exp (-inf for an empty slice)
+    q_ptr,  # [B, Hq, D]
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_qb, stride_qh,
+    stride_pb, stride_ph, stride_ps,  # o_part strides (D stride 1)
+    stride_lb, stride_lh,  # lse strides (split stride 1)
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    row_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_heads = kv_head * GROUP + offs_g
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)  # each sequence is split evenly by its own length
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask, other=0.0)
+    acc, m_i, l_i = _attend_tiles(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b.to(tl.int64) * stride_bt, kv_head, seq_len,
+        tile_lo, tile_hi, qk_scale, stride_kb, stride_kt, stride_kh,
+        BLOCK_G, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+    nonempty = l_i > 0.0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # an empty slice writes zeros, not 0/0
+    # m_i + log2(l_i) is the log-sum-exp in log2 units (scores were pre-scaled by log2(e)); store natural log.
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * _LN2, float("-inf"))
+
+    row = b.to(tl.int64) * stride_pb + q_heads * stride_ph + split * stride_ps  # [BLOCK_G]
+    tl.store(o_part_ptr + row[:, None] + offs_d[None, :], o, mask=row_mask)
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + q_heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    out_ptr,  # [B, Hq, D]
+    o_part_ptr,  # [B, Hq, S, D] fp32
+    lse_ptr,  # [B, Hq, S] fp32
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask,
+                  other=float("-inf"))  # [BLOCK_S]
+    lse_max = tl.max(lse, axis=0)  # finite: slice 0 always holds the sequence's first tile
+    w = tl.exp2((lse - lse_max) * _LOG2E)  # [BLOCK_S]; 0 for empty and padding slices
+    part_offs = b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    part = tl.load(o_part_ptr + part_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+    o_offs = b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def launch_decode_v4(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    tile_tokens: int = TILE_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch split-K on validated inputs; returns the intermediates ``(o_part [B,Hq,S,D], lse [B,Hq,S])``.
+
+    Two launches: the split kernel, grid ``(B, Hkv, num_splits)``, then the reduce, grid ``(B, Hq)``.
+    """
+    batch, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    o_part = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        o_part, lse, query, key_cache, value_cache, block_tables, seq_lens,
+        scale * LOG2E,
+        query.stride(0), query.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_tokens,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    _paged_decode_reduce_kernel[(batch, num_q_heads)](
+        out, o_part, lse,
+        out.stride(0), out.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1),
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_pow2(num_splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_pow2(head_dim),
+    )
+    return o_part, lse

@@ -1,0 +1,575 @@
+"""Checks for lesson 6's exercises: harness kernels that call the learner's Triton code, and diagnoses.
+
+The exercises (``grading/source/06_paged_attention_kernel.ipynb``) ask for three pieces of decode
+version 1 and 2:
+
+1. ``kv_block_offsets`` -- a ``@triton.jit`` function: the block-table address computation;
+2. ``paged_decode_v1_kernel`` -- the kernel's online-softmax loop over the blocks;
+3. ``load_query_group`` -- a ``@triton.jit`` function: GQA packing, the query heads of one KV head's group.
+
+A learner's ``@triton.jit`` function cannot be called from Python; it is handed to a harness kernel here as
+a ``tl.constexpr`` argument and called inside it. Each check compares with the float64 reference of
+``pagedkv.attention`` on random shapes, and turns the typical mistakes into a message that names the case,
+what was expected and what came back (via ``pagedkv.grading.checks.fail``, so the notebook's check cell and
+``pagedkv grade`` show the same text). Every kernel launch runs under a time limit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.attention import make_paged_kv, ref_paged_attention_decode, relative_error
+
+from ._common import LOG2E
+
+LAUNCH_TIMEOUT = 120.0  # seconds for one launch in the interpreter
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _dtype(dtype) -> torch.dtype:
+    """Accept "fp32"/"fp16" (what the exercise tests pass) or a torch dtype."""
+    return _DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+def _fail(message: str) -> None:
+    from pagedkv.grading.checks import fail
+
+    fail(message)
+
+
+def _launch(what: str, fn, *args, **kwargs):
+    """Run a launch under a time limit; any error becomes a failure that names ``what``."""
+    from pagedkv.grading.checks import CallTimeout, time_limit
+
+    try:
+        with time_limit(LAUNCH_TIMEOUT, what):
+            return fn(*args, **kwargs)
+    except CallTimeout:
+        _fail(f"{what} did not finish within {LAUNCH_TIMEOUT:g} s: is there a loop that never ends?")
+    except AssertionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report the learner's error, whatever it is
+        text = str(exc).strip().splitlines()
+        first = " ".join(text[:3])[:500] if text else ""
+        stub = "NoneType" in first or "Ellipsis" in first or "ellipsis" in first
+        hint = (" Is the function still the stub (...)? It must `return` what the exercise asks for."
+                if stub else "")
+        _fail(f"{what} raised {type(exc).__name__}: {first}.{hint}")
+
+
+def _require_jit(fn, name: str) -> None:
+    from pagedkv.grading.checks import require_function
+
+    require_function(fn, name)
+    if not hasattr(fn, "fn") or not callable(getattr(fn, "fn", None)):
+        _fail(f"{name} must be decorated with @triton.jit (it is a plain {type(fn).__name__})")
+
+
+def _padded(t: torch.Tensor, fill: float, slack: int | None = None) -> torch.Tensor:
+    """A copy of ``t`` that lives in the middle of a larger buffer filled with ``fill``.
+
+    The interpreter does not bounds-check pointers: a learner's address that is off by a block or a row would
+    read or write whatever memory is there, and can crash the notebook's kernel. With ``slack`` elements of
+    padding on both sides (default: twice the tensor, at least 64 Ki elements) such mistakes land in the
+    padding, and come back as a wrong answer with a message instead of a crash.
+    """
+    n = t.numel()
+    slack = max(2 * n, 1 << 16) if slack is None else slack
+    buf = torch.full((slack + n + slack,), fill, dtype=t.dtype, device=t.device)
+    view = buf[slack : slack + n].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@triton.jit
+def _probe_all_offsets_kernel(
+    offsets_out_ptr,  # [B, max_blocks, Hkv, BLOCK_SIZE] int64: the offset of each slot's element d = 0
+    mask_out_ptr,  # [B, max_blocks, Hkv, BLOCK_SIZE] int32
+    block_tables_ptr, seq_lens_ptr,
+    stride_kb, stride_kt, stride_kh, stride_bt,
+    OFFSETS_FN: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    h = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    offsets, mask = OFFSETS_FN(block_tables_ptr + b * stride_bt, j, seq_len, h, stride_kb, stride_kt, stride_kh,
+                               BLOCK_SIZE, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    row = ((b * tl.num_programs(1) + j) * tl.num_programs(2) + h) * BLOCK_SIZE
+    lo = tl.min(offsets, axis=1)  # [BLOCK_SIZE]: the lowest and highest address of each slot's row
+    hi = tl.max(offsets, axis=1)
+    tl.store(offsets_out_ptr + 2 * (row + t), lo.to(tl.int64))
+    tl.store(offsets_out_ptr + 2 * (row + t) + 1, hi.to(tl.int64))
+    tl.store(mask_out_ptr + row + t, mask.to(tl.int32))
+
+
+def _check_offsets_in_bounds(kv_block_offsets, key_cache, block_tables, seq_lens, who: str) -> None:
+    """Fail (without touching the cache) if the learner's offsets would load outside ``key_cache``."""
+    batch, max_blocks = block_tables.shape
+    _, block_size, hkv, d = key_cache.shape
+    bounds = torch.zeros(batch, max_blocks, hkv, block_size, 2, dtype=torch.int64)
+    masks = torch.zeros(batch, max_blocks, hkv, block_size, dtype=torch.int32)
+    table = _padded(block_tables, 0)
+    _launch(who, _probe_all_offsets_kernel[(batch, max_blocks, hkv)],
+            bounds, masks, table, seq_lens, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            table.stride(0), OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=d)
+    live = masks.bool()
+    outside = live & ((bounds[..., 0] < 0) | (bounds[..., 1] >= key_cache.numel()))
+    if bool(outside.any()):
+        b, j, h, t = outside.nonzero()[0].tolist()
+        _fail(f"{who}: kv_block_offsets gives addresses {bounds[b, j, h, t].tolist()} (lowest, highest) for sequence "
+              f"{b}, logical block {j}, KV head {h}, slot {t}, but the cache has only {key_cache.numel()} elements "
+              f"(shape {tuple(key_cache.shape)}, strides {key_cache.stride()[:3]}). Loading there would read memory "
+              "that is not the cache; check which stride multiplies what")
+
+
+# -------------------------------------------------------------------------------------------------------------
+# exercise 1: kv_block_offsets
+# -------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _probe_offsets_kernel(
+    offsets_out_ptr,  # [num_j, BLOCK_SIZE, HEAD_DIM] int64
+    mask_out_ptr,  # [num_j, BLOCK_SIZE] int32
+    table_ptr,  # [num_j] int32: a block table row
+    seq_len,
+    kv_head,
+    stride_kb, stride_kt, stride_kh,
+    OFFSETS_FN: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    j = tl.program_id(0)
+    offsets, mask = OFFSETS_FN(table_ptr, j, seq_len, kv_head, stride_kb, stride_kt, stride_kh, BLOCK_SIZE, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(offsets_out_ptr + j * BLOCK_SIZE * HEAD_DIM + t[:, None] * HEAD_DIM + d[None, :], offsets)
+    tl.store(mask_out_ptr + j * BLOCK_SIZE + t, mask.to(tl.int32))
+
+
+@triton.jit
+def _gather_kernel(
+    out_ptr,  # [B, max_blocks * BLOCK_SIZE, Hkv, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, HEAD_DIM]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    stride_ob, stride_ot, stride_oh,
+    OFFSETS_FN: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    h = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    offsets, mask = OFFSETS_FN(block_tables_ptr + b * stride_bt, j, seq_len, h, stride_kb, stride_kt, stride_kh,
+                               BLOCK_SIZE, HEAD_DIM)
+    tile = tl.load(k_cache_ptr + offsets, mask=mask[:, None], other=0.0)
+    t = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, HEAD_DIM)
+    dst = b * stride_ob + (j * BLOCK_SIZE + t[:, None]) * stride_ot + h * stride_oh + d[None, :]
+    tl.store(out_ptr + dst, tile)
+
+
+def _expected_offsets(table: list[int], seq_len: int, kv_head: int, strides, block_size: int, head_dim: int):
+    sb, st, sh = strides
+    phys = torch.tensor(table, dtype=torch.int64)[:, None, None]
+    t = torch.arange(block_size, dtype=torch.int64)[None, :, None]
+    d = torch.arange(head_dim, dtype=torch.int64)[None, None, :]
+    offsets = phys * sb + t * st + kv_head * sh + d  # [num_j, BS, D]
+    pos = torch.arange(len(table))[:, None] * block_size + torch.arange(block_size)[None, :]
+    return offsets, (pos < seq_len)
+
+
+def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0) -> None:
+    """Offsets and mask, read back directly, with strides and block ids large enough to overflow int32."""
+    _require_jit(kv_block_offsets, "kv_block_offsets")
+    gen = torch.Generator().manual_seed(seed)
+    cases = [
+        # (block_size, head_dim, num_kv_heads, seq_len, num_j)
+        (16, 64, 8, 37, 4),
+        (8, 16, 2, 16, 3),
+        (4, 32, 4, 1, 2),
+        (16, 128, 8, 64, 5),
+    ]
+    for block_size, head_dim, hkv, seq_len, num_j in cases:
+        kv_head = int(torch.randint(0, hkv, (1,), generator=gen))
+        strides = (block_size * hkv * head_dim, hkv * head_dim, head_dim)
+        # Block ids near 9 million: id * stride is past 2**31 for every case, so int32 arithmetic wraps around.
+        table = (torch.randperm(num_j, generator=gen) * 1000 + 9_000_000).tolist()
+        offs = torch.full((num_j, block_size, head_dim), -1, dtype=torch.int64)
+        mask = torch.full((num_j, block_size), -1, dtype=torch.int32)
+        tab = _padded(torch.tensor(table, dtype=torch.int32), 0)
+        _launch(f"kv_block_offsets (block_size={block_size}, head_dim={head_dim})",
+                _probe_offsets_kernel[(num_j,)], offs, mask, tab, seq_len, kv_head, *strides,
+                OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+        want_offs, want_mask = _expected_offsets(table, seq_len, kv_head, strides, block_size, head_dim)
+        where = (f"with block_size={block_size}, head_dim={head_dim}, kv_head={kv_head}, seq_len={seq_len}, "
+                 f"block table {table}, strides (block, token, head) = {strides}")
+        got_mask = mask.bool()
+        if not torch.equal(got_mask, want_mask):
+            j = int((got_mask != want_mask).any(1).nonzero()[0, 0])
+            why = ""
+            extra = (torch.arange(block_size) + j * block_size == seq_len) & got_mask[j]
+            if bool(extra.any()):
+                why = (f" Token {seq_len} is one past the sequence's end (positions 0..{seq_len - 1} exist): "
+                       "use `<`, not `<=`")
+            elif bool((got_mask[j] == (torch.arange(block_size) < seq_len)).all()) and j > 0:
+                why = (" Your mask compares the slot index with seq_len; compare the token's *logical position* "
+                       "j * BLOCK_SIZE + slot")
+            _fail(f"kv_block_offsets mask for logical block j={j} is {got_mask[j].int().tolist()}, expected "
+                  f"{want_mask[j].int().tolist()} ({where}).{why}")
+        if not torch.equal(offs, want_offs):
+            bad = (offs != want_offs).nonzero()[0].tolist()
+            j, t, dd = bad
+            got, want = int(offs[j, t, dd]), int(want_offs[j, t, dd])
+            why = ""
+            wrapped = ((want + 2**31) % 2**32) - 2**31
+            if got == wrapped or got < 0:
+                why = (" The value wrapped around int32: cast the block id to int64 before multiplying "
+                       "(`tl.load(...).to(tl.int64)`), or the cache's byte offsets overflow past 2**31 elements")
+            elif got == j * strides[0] + t * strides[1] + kv_head * strides[2] + dd:
+                why = (" That is the offset of *physical* block j: look the physical block up in the block table "
+                       "(`tl.load(table_row_ptr + j)`)")
+            elif got - want == (-kv_head * strides[2]):
+                why = " The KV head's offset (kv_head * stride_kh) is missing"
+            _fail(f"kv_block_offsets offset for logical block j={j}, slot {t}, dim {dd} is {got}, expected {want} "
+                  f"(= block_table[{j}]={table[j]} * {strides[0]} + {t} * {strides[1]} + {kv_head} * {strides[2]} "
+                  f"+ {dd}; {where}).{why}")
+
+
+def check_kv_block_offsets_gather(kv_block_offsets, seed: int = 0, block_sizes=(16, 8), dtype=torch.float32) -> None:
+    """Use the learner's offsets to gather whole sequences out of a shuffled cache; compare with torch."""
+    _require_jit(kv_block_offsets, "kv_block_offsets")
+    dtype = _dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    for block_size in block_sizes:
+        hkv, d = 2, 32
+        lens = [1, block_size, block_size + 1, 3 * block_size - 1] + torch.randint(1, 5 * block_size, (2,),
+                                                                                   generator=gen).tolist()
+        kc, vc, bt, sl = make_paged_kv(lens, hkv, d, block_size, dtype=dtype, generator=gen)
+        what = f"gathering with kv_block_offsets (block_size={block_size})"
+        _check_offsets_in_bounds(kv_block_offsets, kc, bt, sl, what)
+        kc, bt = _padded(kc, float("nan")), _padded(bt, 0)
+        max_blocks = bt.shape[1]
+        out = torch.full((len(lens), max_blocks * block_size, hkv, d), float("nan"), dtype=dtype)
+        _launch(what, _gather_kernel[(len(lens), max_blocks, hkv)],
+                out, kc, bt, sl, kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
+                out.stride(0), out.stride(1), out.stride(2),
+                OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=d)
+        for b, n in enumerate(lens):
+            want = torch.zeros(max_blocks * block_size, hkv, d, dtype=dtype)
+            for t in range(n):
+                want[t] = kc[int(bt[b, t // block_size]), t % block_size]
+            got = out[b]
+            if not torch.equal(got, want):
+                bad = (got != want) | torch.isnan(got)
+                t = int(bad.any(2).any(1).nonzero()[0, 0])
+                h = int(bad[t].any(1).nonzero()[0, 0])
+                if t >= n:
+                    why = (f"token {t} is past the sequence's end ({n} tokens) and must be masked off "
+                           f"(loaded as 0), but your mask let the load through (it read {got[t, h, 0].item():.4g}, "
+                           "a value from a slot this sequence does not own)")
+                else:
+                    why = (f"token {t} (logical block {t // block_size}, slot {t % block_size}, which lives in "
+                           "physical "
+                           f"block {int(bt[b, t // block_size])}) came back as {got[t, h, :3].tolist()}..., expected "
+                           f"{want[t, h, :3].tolist()}...")
+                _fail(f"gathering sequence {b} (seq_len={n}, block_size={block_size}, kv head {h}, its block table "
+                      f"{bt[b, : math.ceil(n / block_size)].tolist()}) with kv_block_offsets: {why}")
+
+
+# -------------------------------------------------------------------------------------------------------------
+# exercise 2: the online-softmax loop of paged_decode_v1_kernel
+# -------------------------------------------------------------------------------------------------------------
+
+
+def launch_learner_decode_v1(kernel, query, key_cache, value_cache, block_tables, seq_lens, scale=None, out=None):
+    """Launch the exercise's ``paged_decode_v1_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, HEAD_DIM)``; grid (B, Hq)."""
+    batch, hq, d = query.shape
+    _, block_size, hkv, _ = key_cache.shape
+    scale = d**-0.5 if scale is None else scale
+    out = torch.empty_like(query) if out is None else out
+    kernel[(batch, hq)](
+        out, query, key_cache, value_cache, block_tables, seq_lens, scale * LOG2E,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=hq // hkv, BLOCK_SIZE=block_size, HEAD_DIM=d,
+    )
+    return out
+
+
+def _short(row: torch.Tensor) -> str:
+    return f"{[round(x, 4) for x in row[:4].tolist()]}..."
+
+
+def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per (sequence, head) relative error; NaN rows give inf.  -> [B, Hq]"""
+    o, r = out.double(), ref.double()
+    err = (o - r).abs().amax(-1) / r.abs().amax(-1).clamp_min(1e-30)
+    return torch.where(torch.isnan(o).any(-1), torch.full_like(err, math.inf), err)
+
+
+def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16, group: int = 2,
+                    dtype=torch.float32, batch_extra: int = 2) -> None:
+    """The learner's version-1 kernel against the float64 reference on a random ragged batch."""
+    _require_jit(paged_decode_v1_kernel, "paged_decode_v1_kernel")
+    dtype = _dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d = 2, 32
+    lens = [1, block_size, block_size + 1, 2 * block_size - 1, 4 * block_size]
+    lens += torch.randint(2, 6 * block_size, (batch_extra,), generator=gen).tolist()
+    # A wide block table (a column per token; the spare entries point at real blocks): a loop that runs
+    # past the sequence's blocks reads masked slots of valid blocks instead of memory past the table.
+    kc, vc, bt, sl = make_paged_kv(lens, hkv, d, block_size, dtype=dtype, generator=gen, max_blocks=max(lens))
+    q = (2.0 * torch.randn(len(lens), hkv * group, d, generator=gen)).to(dtype)  # peaky scores: the max moves
+    helper = getattr(getattr(paged_decode_v1_kernel, "fn", None), "__globals__", {}).get("kv_block_offsets")
+    if helper is not None and hasattr(helper, "fn"):
+        used = bt[:, : math.ceil(max(lens) / block_size)].contiguous()  # the blocks a correct loop visits
+        _check_offsets_in_bounds(helper, kc, used, sl, "paged_decode_v1_kernel (via kv_block_offsets, exercise 1)")
+    kcp, vcp, btp = _padded(kc, float("nan")), _padded(vc, float("nan")), _padded(bt, 0)
+    qp = _padded(q, float("nan"))
+    out = _padded(torch.full_like(q, float("nan")), float("nan"))
+    _launch("paged_decode_v1_kernel", launch_learner_decode_v1, paged_decode_v1_kernel, qp, kcp, vcp, btp, sl,
+            out=out)
+    ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
+    err = relative_error(out, ref)
+    if err < TOL[dtype]:
+        return
+    rows = _row_errors(out, ref)  # [B, Hq]
+    bad_seq = (rows >= TOL[dtype]).any(1)
+    b = int(bad_seq.nonzero()[0, 0])
+    h = int((rows[b] >= TOL[dtype]).nonzero()[0, 0])
+    case = (f"sequence {b} (seq_len={lens[b]}, block_size={block_size}), query head {h}: got "
+            f"{_short(out[b, h])}, expected {_short(ref[b, h])}")
+    single = torch.tensor([n <= block_size for n in lens])
+    ragged = torch.tensor([n % block_size != 0 for n in lens])
+    hint = ""
+    if torch.isnan(out).all():
+        hint = ("every output is NaN: acc / l_i with l_i still 0, so the loop never added anything. Is the loop "
+                "still the stub (...)?")
+    elif torch.isnan(out).any():
+        hint = ("some outputs are NaN: exp2(-inf - (-inf)) is NaN. Start m_i at -inf, take the max with the block's "
+                "scores first, and only then subtract")
+    elif bool(bad_seq[single].any()) is False and bool(bad_seq[~single].any()):
+        hint = ("sequences that fit in one block are right and longer ones are wrong: when a block raises the running "
+                "max from m_i to m_new, multiply what you accumulated (both l_i and acc) by exp2(m_i - m_new) before "
+                "adding the new block")
+    elif bool(bad_seq[ragged].any()) and not bool(bad_seq[~ragged].any()):
+        hint = ("only sequences whose last block is partly filled are wrong: slots past seq_len hold another "
+                "sequence's data (or garbage). Set their scores to -inf (tl.where(mask, s, float('-inf'))) and load "
+                "them as 0")
+    else:
+        alt = ref_paged_attention_decode(q, kc, vc, bt, sl, scale=d**-0.5 * LOG2E, compute_dtype=torch.float64)
+        if relative_error(out, alt) < 10 * TOL[dtype]:
+            hint = ("that is softmax(q·k · scale · log2(e)) with exp: qk_scale already holds log2(e), so use tl.exp2 "
+                    "(exp2(x · log2 e) = exp(x))")
+        else:
+            alt = ref_paged_attention_decode(q, kc, vc, bt, sl, scale=1.0, compute_dtype=torch.float64)
+            if relative_error(out, alt) < 10 * TOL[dtype]:
+                hint = "the scores were not multiplied by qk_scale"
+    _fail(f"paged_decode_v1_kernel: relative error {err:.3g} (allowed {TOL[dtype]:g}); first wrong row: {case}."
+          + (f" Hint: {hint}." if hint else ""))
+
+
+# -------------------------------------------------------------------------------------------------------------
+# exercise 3: GQA packing (load_query_group)
+# -------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _probe_group_kernel(
+    q_out_ptr,  # [Hkv, BLOCK_G, HEAD_DIM]
+    heads_out_ptr,  # [Hkv, BLOCK_G] int32
+    rows_out_ptr,  # [Hkv, BLOCK_G] int32
+    q_ptr,
+    b,
+    stride_qb, stride_qh,
+    LOAD_FN: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    kv_head = tl.program_id(0)
+    q, heads, row_mask = LOAD_FN(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM)
+    r = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(q_out_ptr + kv_head * BLOCK_G * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :], q.to(tl.float32))
+    tl.store(heads_out_ptr + kv_head * BLOCK_G + r, heads.to(tl.int32))
+    tl.store(rows_out_ptr + kv_head * BLOCK_G + r, row_mask.to(tl.int32))
+
+
+@triton.jit
+def _decode_v2_harness(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qk_scale,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+    LOAD_FN: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Version 2 of the lesson with the learner's ``load_query_group``; the rest is the library's."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q, heads, row_mask = LOAD_FN(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    seq_len = tl.load(seq_lens_ptr + b)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+        physical = tl.load(block_tables_ptr + b * stride_bt + j).to(tl.int64)
+        valid = j * BLOCK_SIZE + offs_n < seq_len
+        offs = physical * stride_kb + offs_n[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
+
+
+def launch_group_decode(load_query_group, query, key_cache, value_cache, block_tables, seq_lens, out=None):
+    """Decode version 2 with the learner's ``load_query_group``; grid (B, Hkv)."""
+    batch, hq, d = query.shape
+    _, block_size, hkv, _ = key_cache.shape
+    group = hq // hkv
+    out = torch.empty_like(query) if out is None else out
+    _decode_v2_harness[(batch, hkv)](
+        out, query, key_cache, value_cache, block_tables, seq_lens, d**-0.5 * LOG2E,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        LOAD_FN=load_query_group, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size, HEAD_DIM=d,
+    )
+    return out
+
+
+def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num_kv_heads: int = 3) -> None:
+    """The rows the learner's load_query_group returns: which query heads, which rows are real, their values."""
+    _require_jit(load_query_group, "load_query_group")
+    gen = torch.Generator().manual_seed(seed)
+    d = 16
+    for group in groups:
+        hq = num_kv_heads * group
+        block_g = max(16, triton.next_power_of_2(group))
+        batch = 2
+        # The queries sit inside a much larger NaN-filled buffer: extra heads per row and extra rows, so an
+        # unmasked or mis-addressed load reads NaN (and is reported) instead of memory that is not there.
+        pad_heads = (num_kv_heads + 2) * block_g
+        storage = torch.full((batch + block_g + 2, hq + pad_heads, d), float("nan"))
+        storage[:batch, :hq] = torch.randn(batch, hq, d, generator=gen)
+        q = storage[:batch, :hq]
+        b = int(torch.randint(0, batch, (1,), generator=gen))
+        q_out = torch.full((num_kv_heads, block_g, d), -7.0)
+        heads = torch.full((num_kv_heads, block_g), -1, dtype=torch.int32)
+        rows = torch.full((num_kv_heads, block_g), -1, dtype=torch.int32)
+        _launch(f"load_query_group (GROUP={group}, BLOCK_G={block_g})",
+                lambda q_out=q_out, heads=heads, rows=rows, q=q, b=b, group=group, block_g=block_g:
+                _probe_group_kernel[(num_kv_heads,)](q_out, heads, rows, q, b, q.stride(0), q.stride(1),
+                                                     LOAD_FN=load_query_group, GROUP=group, BLOCK_G=block_g,
+                                                     HEAD_DIM=d))
+        where = f"GROUP={group} (Hq={hq}, Hkv={num_kv_heads}), BLOCK_G={block_g}, sequence b={b}"
+        for g in range(num_kv_heads):
+            want_rows = [1 if r < group else 0 for r in range(block_g)]
+            got_rows = [int(x != 0) for x in rows[g].tolist()]
+            if got_rows != want_rows:
+                _fail(f"load_query_group row mask for kv_head={g} is {got_rows}, expected {want_rows} ({where}): rows "
+                      f"0..{group - 1} hold the group's query heads, rows {group}..{block_g - 1} are padding so that "
+                      "tl.dot gets 16 rows, and must be masked off")
+            want_heads = [g * group + r for r in range(group)]
+            got_heads = heads[g, :group].tolist()
+            if got_heads != want_heads:
+                why = ""
+                if got_heads == [r * num_kv_heads + g for r in range(group)]:
+                    why = (" That is the interleaved mapping h % num_kv_heads == kv_head. vLLM and Hugging Face give "
+                           "each KV head a *contiguous* run of query heads: h // GROUP == kv_head")
+                elif got_heads == [g * block_g + r for r in range(group)] and block_g != group:
+                    why = (f" You multiplied by BLOCK_G ({block_g}), the padded tile height; the group has GROUP = "
+                           f"{group} heads, so KV head g's heads start at g * GROUP")
+                elif got_heads == [g + r for r in range(group)] and g > 0:
+                    why = " KV head g's first query head is g * GROUP, not g"
+                _fail(f"load_query_group heads for kv_head={g} are {got_heads}, expected {want_heads} ({where}).{why}")
+            want_q = torch.zeros(block_g, d)
+            want_q[:group] = q[b, g * group : (g + 1) * group]
+            if torch.isnan(q_out[g]).any():
+                r = int(torch.isnan(q_out[g]).any(1).nonzero()[0, 0])
+                _fail(f"load_query_group tile row {r} for kv_head={g} read memory past the queries ({where}): load "
+                      "with mask=row_mask[:, None] and other=0.0 so padding rows are zeros")
+            if not torch.allclose(q_out[g], want_q):
+                r = int((~torch.isclose(q_out[g], want_q)).any(1).nonzero()[0, 0])
+                what = "a padding row, which must be zeros (other=0.0)" if r >= group else f"query head {g * group + r}"
+                _fail(f"load_query_group tile row {r} for kv_head={g} ({what}) is {q_out[g, r, :3].tolist()}..., "
+                      f"expected {want_q[r, :3].tolist()}... ({where}); check the sequence offset b * stride_qb and "
+                      "the head offset heads * stride_qh")
+
+
+def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num_kv_heads: int = 2,
+                       dtype=torch.float32) -> None:
+    """Decode version 2 with the learner's packing against the float64 reference; padding must stay unwritten."""
+    _require_jit(load_query_group, "load_query_group")
+    dtype = _dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    block_size, d = 16, 32
+    for group in groups:
+        lens = [1, 17] + torch.randint(1, 80, (2,), generator=gen).tolist()
+        kc, vc, bt, sl = make_paged_kv(lens, num_kv_heads, d, block_size, dtype=dtype, generator=gen)
+        hq = num_kv_heads * group
+        q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+        # out and q live inside wider buffers: the extra heads (and rows) are canaries that a mis-addressed
+        # store would hit, and padding that a mis-addressed load reads instead of memory that is not there.
+        block_g = max(16, triton.next_power_of_2(group))
+        pad_heads = (num_kv_heads + 2) * block_g
+        wide = torch.full((len(lens) + block_g + 2, hq + pad_heads, d), float("nan"), dtype=dtype)
+        out = wide[: len(lens), :hq]
+        qwide = torch.zeros(len(lens) + block_g + 2, hq + pad_heads, d, dtype=dtype)
+        qwide[: len(lens), :hq] = q
+        qv = qwide[: len(lens), :hq]
+        _launch(f"decode version 2 with load_query_group (GROUP={group})",
+                launch_group_decode, load_query_group, qv, kc, vc, bt, sl, out)
+        ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
+        where = f"GROUP={group}, Hq={hq}, Hkv={num_kv_heads}, seq_lens={lens}"
+        canaries = torch.ones_like(wide, dtype=torch.bool)
+        canaries[: len(lens), :hq] = False
+        if not torch.isnan(wide[canaries]).all():
+            _fail(f"decode version 2 with your load_query_group wrote past the last query head ({where}): the padding "
+                  "rows (row >= GROUP) must be masked off (row_mask False), or they overwrite other heads' outputs")
+        err = relative_error(out, ref)
+        if err >= TOL[dtype]:
+            rows = _row_errors(out, ref)
+            b, h = (rows >= TOL[dtype]).nonzero()[0].tolist()
+            hint = ""
+            if group > 1 and num_kv_heads > 1:
+                # What the output would be with the interleaved mapping (query head h reads KV head h % Hkv).
+                perm = torch.arange(hq).view(num_kv_heads, group).t().reshape(-1)  # h' -> head reading kv h' // group
+                alt = ref_paged_attention_decode(q[:, perm], kc, vc, bt, sl, compute_dtype=torch.float64)
+                alt_out = torch.empty_like(alt)
+                alt_out[:, perm] = alt
+                if relative_error(out, alt_out) < 10 * TOL[dtype]:
+                    hint = (" Hint: each query head was attended with KV head h % num_kv_heads (interleaved); the "
+                            "group of KV head g is the contiguous run g*GROUP .. g*GROUP+GROUP-1")
+            _fail(f"decode version 2 with your load_query_group: relative error {err:.3g} ({where}); first wrong: "
+                  f"sequence {b}, query head {h}, got {out[b, h, :3].tolist()}..., expected {ref[b, h, :3].tolist()}..."
+                  + hint)

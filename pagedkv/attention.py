@@ -1,0 +1,198 @@
+"""Paged attention in plain PyTorch: the reference every Triton kernel in `pagedkv.kernels` is checked against.
+
+The KV cache is a pool of fixed-size blocks, laid out as vLLM and flash-attn lay it out:
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+Sequence ``b`` owns the physical blocks ``block_tables[b, 0], block_tables[b, 1], ...`` in logical order;
+its token ``t`` lives at ``key_cache[block_tables[b, t // block_size], t % block_size]``. The reference
+does the obvious thing: gather each sequence's blocks back into a dense ``[seq_len, num_kv_heads,
+head_dim]`` tensor, then run ordinary softmax attention. It is slow and simple on purpose, and it can
+compute in float64 so a kernel's rounding error can be measured against something far more exact.
+
+Mirrors: vLLM's test references ``ref_paged_attn`` (tests/kernels/attention/test_flash_attn.py) and
+``ref_single_query_cached_kv_attention`` (tests/kernels/attention/test_attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "attention",
+    "gather_kv",
+    "make_paged_kv",
+    "ref_paged_attention_decode",
+    "ref_paged_prefill_attention",
+    "relative_error",
+]
+
+
+def gather_kv(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks] (one row of block_tables)
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather one sequence's scattered blocks into dense K and V, each ``[seq_len, Hkv, D]``.
+
+    Nothing is modified. This is what "the kernel gathers scattered blocks" means, written as two
+    indexing operations instead of pointer arithmetic.
+    """
+    block_size = key_cache.shape[1]
+    num_used = -(-seq_len // block_size)  # ceil: the blocks that hold this sequence's tokens
+    ids = block_table[:num_used].long()
+    k = key_cache[ids].reshape(num_used * block_size, *key_cache.shape[2:])[:seq_len]
+    v = value_cache[ids].reshape(num_used * block_size, *value_cache.shape[2:])[:seq_len]
+    return k, v
+
+
+def attention(
+    q: torch.Tensor,  # [Lq, Hq, D]
+    k: torch.Tensor,  # [Lk, Hkv, D]
+    v: torch.Tensor,  # [Lk, Hkv, D]
+    scale: float,
+    causal_offset: int | None = None,
+) -> torch.Tensor:
+    """Dense softmax attention with grouped-query heads; returns ``[Lq, Hq, D]`` in ``q``'s dtype.
+
+    Query head ``h`` reads KV head ``h // (Hq // Hkv)`` (vLLM's and Hugging Face's mapping). With
+    ``causal_offset = c``, query ``i`` sits at position ``c + i`` and sees keys ``0 .. c + i`` only.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    k = k.repeat_interleave(group, dim=1)  # [Lk, Hq, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Lq, Lk]
+    if causal_offset is not None:
+        q_pos = causal_offset + torch.arange(q.shape[0], device=q.device)
+        k_pos = torch.arange(k.shape[0], device=q.device)
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> torch.dtype:
+    if compute_dtype is not None:
+        return compute_dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def ref_paged_attention_decode(
+    query: torch.Tensor,  # [B, Hq, D]: one new token per sequence
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: tokens in the cache for each sequence, the new one included
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Decode attention by gather-then-attend: ``out[b, h] = softmax(q·Kᵀ·scale)·V`` over b's cached tokens.
+
+    Returns ``[B, Hq, D]``. Computes in ``compute_dtype`` (float32 for half inputs unless asked; pass
+    ``torch.float64`` for the exact reference the tests use) and returns in that dtype, so no rounding is
+    added on the way out. Nothing is modified.
+    """
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    cdt = _compute_dtype(query.dtype, compute_dtype)
+    out = torch.empty(query.shape, dtype=cdt, device=query.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        k, v = gather_kv(key_cache, value_cache, block_tables[b], seq_len)
+        out[b] = attention(query[b : b + 1].to(cdt), k.to(cdt), v.to(cdt), scale)[0]
+    return out
+
+
+def ref_paged_prefill_attention(
+    query: torch.Tensor,  # [T, Hq, D]: the new tokens of all sequences, packed
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]: already holds the new tokens' K/V
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: cached prefix + new tokens
+    query_start_loc: torch.Tensor,  # [B + 1] int32: sequence b's queries are query[qsl[b]:qsl[b+1]]
+    scale: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Chunked-prefill attention over a paged cache; returns ``[T, Hq, D]``.
+
+    Sequence ``b`` has ``q_len = qsl[b+1] - qsl[b]`` new tokens, the last ``q_len`` of its ``seq_len``
+    cached tokens (their K/V were written by ``reshape_and_cache`` first, as in vLLM V1). New token ``i``
+    sits at position ``seq_len - q_len + i`` and attends causally: to the cached prefix and to the new
+    tokens up to and including itself. Decode is the case ``q_len == 1``. Nothing is modified.
+    """
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    cdt = _compute_dtype(query.dtype, compute_dtype)
+    out = torch.empty(query.shape, dtype=cdt, device=query.device)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        k, v = gather_kv(key_cache, value_cache, block_tables[b], seq_len)
+        out[lo:hi] = attention(query[lo:hi].to(cdt), k.to(cdt), v.to(cdt), scale, causal_offset=seq_len - (hi - lo))
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|out - ref| / max|ref|``, in float64: the error measure every kernel test uses.
+
+    A NaN anywhere in ``out`` (an element the kernel never wrote, when ``out`` was poisoned) gives ``inf``.
+    """
+    out64, ref64 = out.double().cpu(), ref.double().cpu()
+    if not torch.isfinite(out64).all():
+        return math.inf
+    return (out64 - ref64).abs().max().item() / max(ref64.abs().max().item(), 1e-30)
+
+
+def make_paged_kv(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    extra_blocks: int = 3,
+    max_blocks: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random paged KV cache for a batch of sequences, with shuffled block tables.
+
+    Returns ``(key_cache, value_cache, block_tables, seq_lens)``. Every sequence gets
+    ``ceil(len / block_size)`` distinct physical blocks drawn at random from the pool (so logically
+    adjacent blocks are physically scattered); ``extra_blocks`` unused blocks and the unused slots of
+    each last block are filled with huge values, so a kernel that reads past a sequence's end gives a
+    visibly wrong answer. Unused block-table entries point at a random valid block, as a stale table
+    would. Block 0 is kept unused, like vLLM's null block.
+    """
+    if not seq_lens:
+        raise ValueError("seq_lens is empty")
+    needs = [-(-n // block_size) for n in seq_lens]
+    width = max(needs) if max_blocks is None else max_blocks
+    if width < max(needs):
+        raise ValueError(f"max_blocks={max_blocks} is less than the {max(needs)} blocks the longest sequence needs")
+    num_blocks = 1 + sum(needs) + extra_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    gen_device = "cpu"  # generate on the CPU so a given seed gives the same cache everywhere
+    key_cache = torch.full(shape, 1.0e4, dtype=torch.float32, device=gen_device)
+    value_cache = torch.full(shape, -1.0e4, dtype=torch.float32, device=gen_device)
+    perm = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = torch.empty(len(seq_lens), width, dtype=torch.int32)
+    cursor = 0
+    for b, (n, need) in enumerate(zip(seq_lens, needs, strict=True)):
+        ids = perm[cursor : cursor + need]
+        cursor += need
+        for j, blk in enumerate(ids):
+            used = min(block_size, n - j * block_size)
+            key_cache[blk, :used] = torch.randn(used, num_kv_heads, head_dim, generator=generator)
+            value_cache[blk, :used] = torch.randn(used, num_kv_heads, head_dim, generator=generator)
+        tables[b, :need] = torch.tensor(ids, dtype=torch.int32)
+        if width > need:
+            tables[b, need:] = torch.randint(1, num_blocks, (width - need,), generator=generator, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return (
+        key_cache.to(dtype=dtype, device=device),
+        value_cache.to(dtype=dtype, device=device),
+        tables.to(device),
+        lens.to(device),
+    )

@@ -1,0 +1,349 @@
+"""Exercise set 02 (the block pool): its checks pass the solution, fail the stub, and fail each plausible
+wrong answer with a message that names the mistake.
+
+The test cells of ``grading/source/02_block_pool.ipynb`` are run here directly (exec, no kernel, no otter:
+a few seconds), against the source's answers, against otter's stubs of them, and against answers with one
+known mistake each. ``tests/test_grading.py`` grades the built notebooks end to end through ``pagedkv grade``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import nbformat
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "02_block_pool.ipynb"
+QUESTIONS = ["free_queue", "pool_alloc_free", "allocate_slots", "slot_mapping"]
+
+
+def _parse() -> list[tuple[str, str | None, str, bool]]:
+    """(kind, question, source, hidden) per code cell; kind is "code", "solution" or "test"."""
+    nb = nbformat.read(SOURCE, as_version=4)
+    items: list[tuple[str, str | None, str, bool]] = []
+    question: str | None = None
+    in_solution = in_tests = False
+    for cell in nb.cells:
+        src = cell.source
+        if cell.cell_type == "raw":
+            first = src.strip().splitlines()[0] if src.strip() else ""
+            if first == "# BEGIN QUESTION":
+                question = next(line.split(":", 1)[1].strip() for line in src.splitlines() if line.startswith("name:"))
+            elif first == "# END QUESTION":
+                question = None
+            elif first in ("# BEGIN SOLUTION", "# END SOLUTION"):
+                in_solution = first == "# BEGIN SOLUTION"
+            elif first in ("# BEGIN TESTS", "# END TESTS"):
+                in_tests = first == "# BEGIN TESTS"
+            continue
+        if cell.cell_type != "code":
+            continue
+        if in_tests:
+            items.append(("test", question, src, "hidden: true" in src.split("# END TEST CONFIG")[0]))
+        else:
+            items.append(("solution" if in_solution else "code", question, src, False))
+    return items
+
+
+ITEMS = _parse()
+SOLUTIONS = {q: src for kind, q, src, _ in ITEMS if kind == "solution"}
+
+
+def _stub(src: str) -> str:
+    from otter.assign.solutions import replace_solutions
+
+    return "\n".join(replace_solutions(src.split("\n"), "python"))
+
+
+def _grade(answers: dict[str, str], only: set[str] | None = None, public_only: bool = False):
+    """Run the notebook's cells with ``answers`` in place of the solution cells; one result per test cell:
+    (question, hidden, passed, message)."""
+    ns: dict = {"__name__": "__main__"}
+    results = []
+    for kind, q, src, hidden in ITEMS:
+        if kind != "test":
+            code = answers.get(q, src) if kind == "solution" else src
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(code, f"<{kind} cell of {q}>", "exec"), ns)
+            continue
+        if (only and q not in only) or (public_only and hidden):
+            continue
+        try:
+            exec(compile(src, f"<test cell of {q}>", "exec"), dict(ns))
+        except AssertionError as exc:
+            results.append((q, hidden, False, str(exc)))
+        else:
+            results.append((q, hidden, True, ""))
+    return results
+
+
+def test_the_source_has_every_question_with_public_and_hidden_tests() -> None:
+    assert list(SOLUTIONS) == QUESTIONS
+    for q in QUESTIONS:
+        tests = [hidden for kind, qq, _, hidden in ITEMS if kind == "test" and qq == q]
+        assert False in tests and True in tests, f"{q} needs public and hidden tests"
+
+
+def test_solution_passes_every_test() -> None:
+    results = _grade({})
+    assert len(results) == 13
+    failed = [(q, msg) for q, _, ok, msg in results if not ok]
+    assert not failed, failed
+
+
+def test_stub_fails_every_test_with_a_message() -> None:
+    results = _grade({q: _stub(src) for q, src in SOLUTIONS.items()})
+    passed = [(q, hidden) for q, hidden, ok, _ in results if ok]
+    assert not passed, f"the untouched stub passes {passed}"
+    assert all(msg for *_, msg in results)
+
+
+# (id, question, text in the solution, replaced by, a phrase the learner must see)
+WRONG = [
+    (
+        "popleft_takes_tail",
+        "free_queue",
+        ("first = self.fake_free_list_head.next_free_block\n        if first is self.fake_free_list_tail:"),
+        ("first = self.fake_free_list_tail.prev_free_block\n        if first is self.fake_free_list_head:"),
+        "that is the tail",
+    ),
+    (
+        "append_at_head",
+        "free_queue",
+        (
+            "        last = self.fake_free_list_tail.prev_free_block\n"
+            "        last.next_free_block = block\n"
+            "        block.prev_free_block = last\n"
+            "        block.next_free_block = self.fake_free_list_tail\n"
+            "        self.fake_free_list_tail.prev_free_block = block"
+        ),
+        (
+            "        first = self.fake_free_list_head.next_free_block\n"
+            "        self.fake_free_list_head.next_free_block = block\n"
+            "        block.prev_free_block = self.fake_free_list_head\n"
+            "        block.next_free_block = first\n"
+            "        first.prev_free_block = block"
+        ),
+        "are head and tail swapped",
+    ),
+    (
+        "remove_forgets_prev_link",
+        "free_queue",
+        "        block.next_free_block.prev_free_block = block.prev_free_block\n",
+        "",
+        "prev link",
+    ),
+    (
+        "remove_keeps_links",
+        "free_queue",
+        ("        block.prev_free_block = block.next_free_block = None\n        self.num_free_blocks -= 1"),
+        "        self.num_free_blocks -= 1",
+        "still has links",
+    ),
+    (
+        "no_count",
+        "free_queue",
+        "        self.num_free_blocks -= 1\n",
+        "",
+        "num_free_blocks is",
+    ),
+    (
+        "appendleft_second",
+        "free_queue",
+        (
+            "        first = self.fake_free_list_head.next_free_block\n"
+            "        self.fake_free_list_head.next_free_block = block\n"
+            "        block.prev_free_block = self.fake_free_list_head\n"
+            "        block.next_free_block = first\n"
+            "        first.prev_free_block = block"
+        ),
+        (
+            "        if self.num_free_blocks == 0:\n"
+            "            self.append(block)\n"
+            "            return\n"
+            "        first = self.fake_free_list_head.next_free_block\n"
+            "        second = first.next_free_block\n"
+            "        first.next_free_block = block\n"
+            "        block.prev_free_block = first\n"
+            "        block.next_free_block = second\n"
+            "        second.prev_free_block = block\n"
+            "        self.num_free_blocks += 1"
+        ),
+        "appendleft(block 3)",
+    ),
+    (
+        "subclass_library",
+        "free_queue",
+        "class FreeQueue:",
+        ("from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue\nclass FreeQueue(FreeKVCacheBlockQueue):"),
+        "subclasses the library",
+    ),
+    (
+        "uncached_to_tail",
+        "pool_alloc_free",
+        "                to_head.append(block)",
+        "                pool.free_block_queue.append(block)",
+        "go to the head",
+    ),
+    (
+        "appendleft_one_by_one",
+        "pool_alloc_free",
+        "    for block in reversed(to_head):",
+        "    for block in to_head:",
+        "came back in reverse",
+    ),
+    (
+        "cached_to_head",
+        "pool_alloc_free",
+        ("            else:\n                pool.free_block_queue.append(block)"),
+        ("            else:\n                pool.free_block_queue.appendleft(block)"),
+        "cached blocks (with a hash) go to the tail",
+    ),
+    (
+        "no_free_count_check",
+        "pool_alloc_free",
+        (
+            "    if num_blocks > pool.get_num_free_blocks():\n"
+            '        raise ValueError(f"cannot get {num_blocks} blocks: {pool.get_num_free_blocks()} are free")\n'
+        ),
+        "",
+        "a failed call must change nothing",
+    ),
+    (
+        "no_evict",
+        "pool_alloc_free",
+        "        evict_if_cached(pool, block)\n",
+        "",
+        "evict_if_cached",
+    ),
+    (
+        "no_double_free_check",
+        "pool_alloc_free",
+        ("        if times[block.block_id] > block.ref_cnt:\n            raise"),
+        ("        if False:\n            raise"),
+        "expected it to raise ValueError",
+    ),
+    (
+        "no_ref_cnt",
+        "pool_alloc_free",
+        "        block.ref_cnt = 1\n",
+        "",
+        "ref_cnt",
+    ),
+    (
+        "calls_library",
+        "pool_alloc_free",
+        ("    # BEGIN SOLUTION\n    if not isinstance(num_blocks, int)"),
+        (
+            "    # BEGIN SOLUTION\n"
+            "    return BlockPool.get_new_blocks(pool, num_blocks)\n"
+            "    if not isinstance(num_blocks, int)"
+        ),
+        "calls the library",
+    ),
+    (
+        "floor",
+        "allocate_slots",
+        "num_required = -(-num_tokens // manager.block_size)",
+        "num_required = num_tokens // manager.block_size",
+        "round up",
+    ),
+    (
+        "ignores_table",
+        "allocate_slots",
+        "num_missing = max(0, num_required - len(table))",
+        "num_missing = num_required",
+        "more are needed, not",
+    ),
+    (
+        "no_free_check_raises",
+        "allocate_slots",
+        ("    if num_missing > manager.block_pool.get_num_free_blocks():\n        return None\n"),
+        "",
+        "raised ValueError",
+    ),
+    (
+        "partial_on_failure",
+        "allocate_slots",
+        (
+            "    if num_missing > manager.block_pool.get_num_free_blocks():\n"
+            "        return None\n"
+            "    new_blocks = manager.block_pool.get_new_blocks(num_missing)\n"
+            "    manager.req_to_blocks[request.request_id] = table + new_blocks\n"
+            "    return new_blocks"
+        ),
+        (
+            "    manager.req_to_blocks[request.request_id] = table\n"
+            "    new_blocks = []\n"
+            "    for _ in range(num_missing):\n"
+            "        if manager.block_pool.get_num_free_blocks() == 0:\n"
+            "            return None\n"
+            "        (b,) = manager.block_pool.get_new_blocks(1)\n"
+            "        table.append(b)\n"
+            "        new_blocks.append(b)\n"
+            "    return new_blocks"
+        ),
+        "changed the manager first",
+    ),
+    (
+        "hardcoded_two_blocks",
+        "allocate_slots",
+        ("    # BEGIN SOLUTION\n    if num_new_tokens < 0:"),
+        (
+            "    # BEGIN SOLUTION\n"
+            "    new = manager.block_pool.get_new_blocks(2)\n"
+            "    manager.req_to_blocks[request.request_id] = new\n"
+            "    return new\n"
+            "    if num_new_tokens < 0:"
+        ),
+        "expected",
+    ),
+    (
+        "off_by_one",
+        "slot_mapping",
+        "block_table[p // block_size] * block_size + p % block_size)",
+        "block_table[p // block_size] * block_size + p % block_size + 1)",
+        "one too high",
+    ),
+    (
+        "no_times_block_size",
+        "slot_mapping",
+        "block_table[p // block_size] * block_size + p % block_size)",
+        "block_table[p // block_size] + p % block_size)",
+        "multiply the block id",
+    ),
+    (
+        "logical_block",
+        "slot_mapping",
+        "block_table[p // block_size] * block_size + p % block_size)",
+        "(p // block_size) * block_size + p % block_size)",
+        "logical",
+    ),
+    (
+        "no_bounds_check",
+        "slot_mapping",
+        ("        if p < 0 or p >= capacity:\n            raise"),
+        ("        if False:\n            raise"),
+        "expected ValueError",
+    ),
+    (
+        "hardcoded_example",
+        "slot_mapping",
+        ("    # BEGIN SOLUTION\n    if block_size < 1:"),
+        ("    # BEGIN SOLUTION\n    return [28, 29, 30, 31, 8, 9]\n    if block_size < 1:"),
+        "expected",
+    ),
+]
+
+
+@pytest.mark.parametrize("wid, question, old, new, phrase", WRONG, ids=[w[0] for w in WRONG])
+def test_wrong_answer_fails_a_public_test_with_a_clear_message(
+    wid: str, question: str, old: str, new: str, phrase: str
+) -> None:
+    assert old in SOLUTIONS[question], f"{wid}: the solution no longer contains the text to break"
+    results = _grade({question: SOLUTIONS[question].replace(old, new)}, only={question}, public_only=True)
+    failures = [msg for q, _, ok, msg in results if not ok]
+    assert failures, f"{wid}: no public test of {question} catches this mistake"
+    assert phrase in failures[0], f"{wid}: the first failure does not say {phrase!r}: {failures[0]}"
