@@ -8,75 +8,19 @@ known mistake each. ``tests/test_grading.py`` grades the built notebooks end to 
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
-import nbformat
 import pytest
+from source_notebook import SourceNotebook, stub
 
 SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "02_block_pool.ipynb"
 QUESTIONS = ["free_queue", "pool_alloc_free", "allocate_slots", "slot_mapping"]
 
 
-def _parse() -> list[tuple[str, str | None, str, bool]]:
-    """(kind, question, source, hidden) per code cell; kind is "code", "solution" or "test"."""
-    nb = nbformat.read(SOURCE, as_version=4)
-    items: list[tuple[str, str | None, str, bool]] = []
-    question: str | None = None
-    in_solution = in_tests = False
-    for cell in nb.cells:
-        src = cell.source
-        if cell.cell_type == "raw":
-            first = src.strip().splitlines()[0] if src.strip() else ""
-            if first == "# BEGIN QUESTION":
-                question = next(line.split(":", 1)[1].strip() for line in src.splitlines() if line.startswith("name:"))
-            elif first == "# END QUESTION":
-                question = None
-            elif first in ("# BEGIN SOLUTION", "# END SOLUTION"):
-                in_solution = first == "# BEGIN SOLUTION"
-            elif first in ("# BEGIN TESTS", "# END TESTS"):
-                in_tests = first == "# BEGIN TESTS"
-            continue
-        if cell.cell_type != "code":
-            continue
-        if in_tests:
-            items.append(("test", question, src, "hidden: true" in src.split("# END TEST CONFIG")[0]))
-        else:
-            items.append(("solution" if in_solution else "code", question, src, False))
-    return items
-
-
-ITEMS = _parse()
-SOLUTIONS = {q: src for kind, q, src, _ in ITEMS if kind == "solution"}
-
-
-def _stub(src: str) -> str:
-    from otter.assign.solutions import replace_solutions
-
-    return "\n".join(replace_solutions(src.split("\n"), "python"))
-
-
-def _grade(answers: dict[str, str], only: set[str] | None = None, public_only: bool = False):
-    """Run the notebook's cells with ``answers`` in place of the solution cells; one result per test cell:
-    (question, hidden, passed, message)."""
-    ns: dict = {"__name__": "__main__"}
-    results = []
-    for kind, q, src, hidden in ITEMS:
-        if kind != "test":
-            code = answers.get(q, src) if kind == "solution" else src
-            with contextlib.redirect_stdout(io.StringIO()):
-                exec(compile(code, f"<{kind} cell of {q}>", "exec"), ns)
-            continue
-        if (only and q not in only) or (public_only and hidden):
-            continue
-        try:
-            exec(compile(src, f"<test cell of {q}>", "exec"), dict(ns))
-        except AssertionError as exc:
-            results.append((q, hidden, False, str(exc)))
-        else:
-            results.append((q, hidden, True, ""))
-    return results
+NB = SourceNotebook(SOURCE, tolerate_cell_errors=False)
+ITEMS, SOLUTIONS = NB.items, NB.solutions
+_stub = stub
+_grade = NB.grade
 
 
 def test_the_source_has_every_question_with_public_and_hidden_tests() -> None:
