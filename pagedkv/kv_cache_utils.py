@@ -104,7 +104,7 @@ class FreeKVCacheBlockQueue:
         head = self.fake_free_list_head
         first = head.next_free_block
         if first is self.fake_free_list_tail or first is None:
-            raise ValueError("No free blocks available: popleft() on an empty free queue")
+            raise ValueError("No free blocks available")
         nxt = first.next_free_block
         head.next_free_block = nxt
         nxt.prev_free_block = head  # type: ignore[union-attr]
@@ -269,13 +269,14 @@ def hash_block_tokens(
 
 
 def generate_block_hash_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
-    """What besides the tokens decides a block's KV: the adapter (every block) and the cache salt (the
-    first block only: chaining carries it to the rest). Mirrors ``generate_block_hash_extra_keys``."""
+    """What besides the tokens decides a block's KV, as vLLM orders it: the adapter (in every block's key),
+    then the cache salt (in the first block's only: chaining carries it into every later hash). ``None``
+    when there is neither. Mirrors ``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``."""
     keys: list[Any] = []
     if request.lora_id is not None:
-        keys.append(("lora", request.lora_id))
+        keys.append(request.lora_id)
     if block_index == 0 and request.cache_salt is not None:
-        keys.append(("salt", request.cache_salt))
+        keys.append(request.cache_salt)
     return tuple(keys) if keys else None
 
 

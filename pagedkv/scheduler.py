@@ -256,7 +256,8 @@ class Scheduler:
         victim is the request itself, the running loop stops. Then, only if nothing was preempted, waiting
         requests are admitted in queue order until one does not fit (``allocate_slots`` returns ``None``), the
         budget runs out or ``max_num_seqs`` run: an admitted request's ``num_computed_tokens`` is set to its
-        prefix-cache hit length (or, if it was swapped out, kept, and its blocks swapped in).
+        prefix-cache hit length (or, if it was swapped out, kept, and its blocks swapped in). The manager's
+        ``prefix_cache_stats`` count one lookup per admission: a lookup that is not admitted is taken back.
 
         Finally every scheduled request's ``num_computed_tokens`` advances by its scheduled count, so the next
         step could be scheduled before this one's samples arrive. ``finished_req_ids`` is handed over and
@@ -323,17 +324,23 @@ class Scheduler:
             request = self.waiting.peek_request()
             rid = request.request_id
             cpu_blocks = self.swapped.get(rid)
+            # The lookup's counters are kept only if the request is admitted: a request stuck at the head of
+            # the queue is looked up every step, but it is one query (as vLLM counts it: see its test
+            # test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request).
+            stats = manager.prefix_cache_stats
+            stats_before = (stats.requests, stats.queries, stats.hits)
             if cpu_blocks is not None:
                 # Swapped out: its KV comes back from the CPU pool, so no prefix-cache lookup.
                 hits, num_computed = [], request.num_computed_tokens
             else:
                 hits, num_computed = manager.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_computed, state.token_budget)
-            if num_new <= 0:
-                break  # nothing to compute until its last sample arrives
-            new_blocks = manager.allocate_slots(request, num_new, hits)
+            new_blocks = manager.allocate_slots(request, num_new, hits) if num_new > 0 else None
             if new_blocks is None:
-                break  # FCFS: a request that does not fit blocks the ones behind it
+                # Nothing to compute until its last sample arrives (num_new == 0), or it does not fit: FCFS, so
+                # it blocks the ones behind it. Either way it was not admitted, so its lookup does not count.
+                stats.requests, stats.queries, stats.hits = stats_before
+                break
             self.waiting.pop_request()
             if cpu_blocks is not None:
                 self._swap_in(request, cpu_blocks, state)
@@ -548,7 +555,8 @@ class Scheduler:
         request preempted since the step was scheduled still keeps its sample.
 
         Everything is checked before anything changes (``ValueError``): the output must come from this
-        scheduler and not have been used already; samples must belong to scheduled requests; each scheduled,
+        scheduler and not have been used already; samples must belong to scheduled requests (an empty entry,
+        ``None`` or ``[]``, for any other request is ignored); each scheduled,
         unfinished request whose chunk reached its end needs one. Returns ``{req_id: [kept token]}``.
         Mirrors ``Scheduler.update_from_output`` and ``check_stop`` (``vllm/v1/core/sched/utils.py``).
         """
@@ -564,10 +572,12 @@ class Scheduler:
                 f"the output of step {step} was already passed to update_from_output, or is not from this scheduler"
             )
         scheduled = scheduler_output.num_scheduled_tokens
-        extra = [rid for rid in sampled_token_ids if rid not in scheduled]
+        tokens = {rid: self._as_token(rid, v) for rid, v in sampled_token_ids.items()}
+        # An entry with no sample (None or []) for an unscheduled request is harmless (vLLM's runner output may
+        # list requests with empty samples); a real token for one is a mistake.
+        extra = [rid for rid, token in tokens.items() if rid not in scheduled and token is not None]
         if extra:
             raise ValueError(f"samples for requests that were not scheduled in this step: {extra}")
-        tokens = {rid: self._as_token(rid, v) for rid, v in sampled_token_ids.items()}
         partial = scheduler_output.partial_prefill_req_ids
         to_apply: list[tuple[Request, int]] = []
         for rid in scheduled:
