@@ -5,10 +5,11 @@ it needs in two ``pagedkv grade`` calls made once, side by side:
 
 - every ``solutions/NN.ipynb`` and ``exercises/NN.ipynb`` of every set in ``grading/source/`` (by glob),
   plus set 01 answered wrongly in several ways (floor, FCFS for skip, a hard-coded answer, a function that
-  loops, one that raises, a garbage return value, binary garbage printed, a kernel that exits, a file that
-  is not a notebook), several mistakes per notebook where they do not interfere;
-- with short time limits: a cell that loops (interrupted, the rest still graded) and a notebook that cannot
-  be interrupted (killed at the notebook timeout).
+  loops, one that raises, an answer cell with a SyntaxError, a garbage return value, binary garbage printed,
+  a kernel that exits, a file that is not a notebook), several mistakes per notebook where they do not
+  interfere;
+- with short time limits: cells that loop (a free cell and an answer cell: interrupted, named in the report,
+  the rest still graded) and a notebook that cannot be interrupted (killed at the notebook timeout).
 
 The tests then read the JSON report. Set 01's variants are made from the committed exercise notebook by
 replacing its answer cells, so they follow the set as it evolves.
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.grading import checks
-from pagedkv.grading.build import find_sources
+from pagedkv.grading import checks, grade, worker
+from pagedkv.grading.build import find_sources, question_order
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = [p.stem for p in find_sources(ROOT)]
@@ -91,6 +92,9 @@ LOOPS = (
     "            pass\n"
 )
 RAISES = "def contiguous_capacity(pool_blocks, max_len, block_size):\n    return pool_blocks // 0\n"
+SYNTAX_ERROR = "def contiguous_capacity(pool_blocks, max_len, block_size):\n    blocks = -(-max_len // block_size\n" \
+    "    return pool_blocks // blocks\n"
+LOOPING_CELL = "while True:\n    pass\n" + GOOD["waste_percent"]  # the answer cell loops before its def
 GARBAGE = (
     "class Weird:\n"
     "    def __repr__(self):\n"
@@ -112,11 +116,12 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
         _with(paged_admission=FCFS_FOR_SKIP, contiguous_capacity=RAISES, waste_percent=GARBAGE),
         ["raise RuntimeError('a learner cell that fails')", GARBAGE_CELL],
     ),
-    "loops_and_hardcoded": (_with(blocks_needed=LOOPS, paged_admission=HARDCODED), []),
+    "loops_and_hardcoded": (_with(blocks_needed=LOOPS, paged_admission=HARDCODED, contiguous_capacity=SYNTAX_ERROR),
+                            []),
     "kernel_exits": (GOOD, ["import os\nos._exit(3)"]),
 }
 QUICK_LIMITS = {  # graded in the second call, with short limits
-    "loop_in_cell": (GOOD, ["while True:\n    pass"]),
+    "loop_in_cell": (_with(waste_percent=LOOPING_CELL), ["while True:\n    pass"]),
     "uninterruptible": (GOOD, ["import time\nwhile True:\n    try:\n        time.sleep(60)\n    except BaseException:\n"
                                "        pass"]),
 }
@@ -228,7 +233,8 @@ def test_json_report_shape(graded):
     assert report["score"] == pytest.approx(sum(nb["score"] for nb in report["notebooks"]))
     assert report["possible"] == pytest.approx(sum(nb["possible"] for nb in report["notebooks"]))
     for nb in report["notebooks"]:
-        assert {"notebook", "autograder", "status", "score", "possible", "seconds", "message", "exercises"} <= set(nb)
+        assert {"notebook", "autograder", "status", "score", "possible", "seconds", "message", "exercises",
+                "cells"} <= set(nb)
         for ex in nb["exercises"]:
             assert {"name", "score", "possible", "status", "message", "cases"} <= set(ex)
             assert ex["status"] in {"passed", "partial", "failed"}
@@ -247,6 +253,23 @@ def test_solution_scores_full_marks(graded, name):
     # every exercise has at least one hidden case
     for ex in nb["exercises"]:
         assert any(c["hidden"] for c in ex["cases"]), f"{name}: exercise {ex['name']} has no hidden test case"
+    assert nb["cells"] == [], f"{name}: cells of the solution raised: {nb['cells']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SETS)
+def test_exercises_are_listed_in_notebook_order(graded, name):
+    """The JSON and the table list a set's exercises as the notebook has them (02: free_queue first)."""
+    import nbformat
+
+    order = question_order(nbformat.read(ROOT / "grading" / "source" / f"{name}.ipynb", as_version=4))
+    assert order and order != sorted(order) or name != "02_block_pool", "set 02 no longer tests the order"
+    for folder in ("solutions", "exercises"):
+        nb = _notebook(graded["main"]["report"], ROOT / folder / f"{name}.ipynb")
+        assert [ex["name"] for ex in nb["exercises"]] == order, folder
+    rows = [ln.split()[1] for ln in graded["main"]["stdout"].splitlines()
+            if ln.split() and ln.split()[0].endswith(f"solutions/{name}.ipynb")]
+    assert rows == order + ["TOTAL"]
 
 
 @pytest.mark.slow
@@ -259,6 +282,10 @@ def test_untouched_exercise_scores_zero_without_traceback(graded, name):
     for ex in nb["exercises"]:
         assert ex["status"] == "failed" and ex["message"], ex
         assert "Traceback" not in ex["message"]
+    # the demo cells after the stubs print a message instead of raising (only the checks' own probes fail, with
+    # an AssertionError that says what is wrong); no cell loops
+    for cell in nb["cells"]:
+        assert cell["error"].startswith("AssertionError") and not cell["timed_out"], f"{name}: {cell}"
 
 
 @pytest.mark.slow
@@ -316,11 +343,43 @@ def test_infinite_loop_in_a_function_fails_that_exercise(graded):
     assert _exercise(nb, "waste_percent")["status"] == "passed"
 
 
+def _cell_number(path: Path, source: str) -> int:
+    """The 1-based number of the cell of ``path`` whose source is ``source``."""
+    cells = json.loads(path.read_text())["cells"]
+    return next(i + 1 for i, c in enumerate(cells) if "".join(c["source"]) == source)
+
+
 @pytest.mark.slow
-def test_infinite_loop_in_a_cell_is_interrupted_and_the_rest_graded(graded):
+def test_infinite_loop_in_a_cell_is_interrupted_named_and_the_rest_graded(graded):
     nb = _variant(graded, "loop_in_cell")
     assert nb["status"] == "graded", nb["message"]
-    assert nb["score"] == nb["possible"]
+    free = _cell_number(graded["variants"]["loop_in_cell"], "while True:\n    pass")
+    answer = _cell_number(graded["variants"]["loop_in_cell"], LOOPING_CELL)
+    # the notebook's row names every interrupted cell
+    assert f"cell {free} (`while True:`) was interrupted after 5 s (an infinite loop?)" in nb["message"]
+    assert f"cell {answer} (`while True:`) was interrupted after 5 s" in nb["message"]
+    # the answer cell that looped before its def: its exercise says so, instead of "run the cell"
+    ex = _exercise(nb, "waste_percent")
+    assert ex["score"] == 0
+    assert ex["message"].endswith(f"waste_percent is not defined: the cell defining waste_percent (cell {answer}) "
+                                  "was interrupted after 5 s (an infinite loop?)"), ex["message"]
+    # the rest is graded
+    assert all(e["status"] == "passed" for e in nb["exercises"] if e["name"] != "waste_percent")
+    assert nb["score"] == nb["possible"] - ex["possible"]
+    assert "was interrupted after 5 s" in graded["quick"]["stdout"]
+
+
+@pytest.mark.slow
+def test_syntax_error_in_an_answer_cell_is_passed_on(graded):
+    nb = _variant(graded, "loops_and_hardcoded")
+    ex = _exercise(nb, "contiguous_capacity")
+    cell = _cell_number(graded["variants"]["loops_and_hardcoded"], SYNTAX_ERROR)
+    assert ex["score"] == 0
+    assert ex["message"].startswith(f"contiguous_capacity is not defined: the cell defining contiguous_capacity "
+                                    f"(cell {cell}) raised SyntaxError: "), ex["message"]
+    assert ex["message"].endswith("(line 2)"), ex["message"]  # the line of the cell, not IPython's file name
+    assert ".py" not in ex["message"] and "run the cell" not in ex["message"]
+    assert any(c["cell"] == cell and "contiguous_capacity" in c["defines"] for c in nb["cells"])
 
 
 @pytest.mark.slow
@@ -462,6 +521,25 @@ def test_expect_raises_and_require_function():
         checks.require_function(blocks_needed, "blocks_needed")
 
 
+def test_describe_names_functions_without_addresses():
+    from pagedkv.kv_cache_utils import builtin_hash
+
+    class Pool:
+        def free(self):
+            pass
+
+    def local():
+        pass
+
+    assert checks.describe(builtin_hash) == "builtin_hash"
+    assert checks.describe(len) == "len"
+    assert checks.describe(Pool().free) == "Pool.free"
+    assert checks.describe(local) == "local"
+    assert checks.format_call("hash_chain", ([1, 2], 16, builtin_hash)) == "hash_chain([1, 2], 16, builtin_hash)"
+    assert re.fullmatch(r"\[<[\w.<>]*Pool object>\]", checks.describe([Pool()]))  # no "at 0x7f..."
+    assert checks.describe("at 0x1f>") == "'at 0x1f>'"
+
+
 def test_describe_shortens_long_values():
     text = checks.describe(list(range(1000)), 60)
     assert text.startswith("[0, 1, 2") and text.endswith("998, 999] (1000 items)") and len(text) < 90
@@ -482,3 +560,49 @@ def test_time_limit_restores_the_previous_handler():
         pass
     assert signal.getsignal(signal.SIGALRM) == before
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+# --------------------------------------------------------------------------------------------- grader internals
+def test_autograder_zip_lists_questions_in_notebook_order():
+    import nbformat
+
+    for name in SETS:
+        order = question_order(nbformat.read(ROOT / "grading" / "source" / f"{name}.ipynb", as_version=4))
+        expected = grade._expected_questions(ROOT / "grading" / "autograder" / f"{name}.zip")
+        assert [q for q, _ in expected] == order, name
+
+
+def test_worker_reports_cells_by_their_own_error():
+    assert worker.defined_names("def f(x):\n    return x +\nclass A:\n    y = 1\nN: int = 3\nM == 2\n") == \
+        ["A", "N", "f"]
+    assert worker.error_text({"ename": "SyntaxError", "evalue": "invalid syntax (3918070085.py, line 3)"}) == \
+        "SyntaxError: invalid syntax (line 3)"
+    frames = ["\x1b[31mNameError\x1b[39m Traceback", "\x1b[36mCell In[4]\x1b[39m, line 2\n  x = y",
+              "Cell In[2], line 9"]
+    assert worker.error_text({"ename": "NameError", "evalue": "name 'y' is not defined", "traceback": frames}) == \
+        "NameError: name 'y' is not defined (line 2)"
+    cells = [{"cell": 5, "first_line": "def f(x):", "defines": ["f"], "timed_out": False, "seconds": 60.0,
+              "error": "SyntaxError: invalid syntax (line 3)"},
+             {"cell": 9, "first_line": "while True:", "defines": ["g"], "timed_out": True, "seconds": 60.0,
+              "error": "KeyboardInterrupt"}]
+    explain = grade._explain_undefined
+    assert explain("f is not defined: run the cell that defines it (and the cells above it) first", cells) == \
+        "f is not defined: the cell defining f (cell 5) raised SyntaxError: invalid syntax (line 3)"
+    assert explain("g is not defined: run the cell", cells).endswith("(cell 9) was interrupted after 60 s (an "
+                                                                     "infinite loop?)")
+    assert explain("h is not defined: run the cell", cells) == "h is not defined: run the cell"
+    assert explain("f(1) raised NameError: name 'f' is not defined", cells).endswith("name 'f' is not defined")
+    assert grade._interrupted_note(cells) == \
+        "cell 9 (`while True:`) was interrupted after 60 s (an infinite loop?); the cells after it still ran"
+
+
+def test_worker_numbers_cells_and_leaves_broken_files_alone(tmp_path):
+    nb = tmp_path / "a.ipynb"
+    nb.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": "x"}, {"cell_type": "code",
+                                                                                     "metadata": {}, "source": ""}],
+                              "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    assert worker.number_cells(str(nb))
+    assert [c["metadata"][worker.CELL_KEY] for c in json.loads(nb.read_text())["cells"]] == [1, 2]
+    broken = tmp_path / "b.ipynb"
+    broken.write_text("{ not json")
+    assert not worker.number_cells(str(broken)) and broken.read_text() == "{ not json"

@@ -348,7 +348,7 @@ def run_benchmark(
     try:
         for op, impl in cases:
             if bar is not None:
-                bar.set_postfix_str(f"{op} {impl}")
+                bar.set_postfix_str(f"{op} {impl}", refresh=False)
             timings.extend(measure_series(op, impl, sizes, round_time, repeats, seed))
             if bar is not None:
                 bar.update()

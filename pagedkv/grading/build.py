@@ -9,7 +9,8 @@ temporary folder and keeps three outputs:
 - ``solutions/NN_name.ipynb``: the completed notebook (otter's autograder version: the solutions, every test
   in its metadata), without outputs;
 - ``grading/autograder/NN_name.zip``: what ``otter run`` needs to grade a submission: ``otter_config.json``
-  and ``tests/*.py`` with every test, hidden ones included.
+  and ``tests/*.py`` with every test, hidden ones included; and ``questions.json``, the questions in notebook
+  order, for the score table.
 
 The outputs are made byte-for-byte reproducible (cell ids derived from the cells' content, no outputs or
 execution counts, zip entries sorted with a fixed date and mode), so ``pagedkv build-exercises --check``
@@ -33,7 +34,17 @@ from pathlib import Path
 
 import nbformat
 
-__all__ = ["BuiltSet", "SET_NAME", "build_all", "build_set", "check_source", "find_sources", "repo_root"]
+__all__ = [
+    "QUESTIONS_FILE",
+    "SET_NAME",
+    "BuiltSet",
+    "build_all",
+    "build_set",
+    "check_source",
+    "find_sources",
+    "question_order",
+    "repo_root",
+]
 
 #: An exercise set's file name: two digits, an underscore, a lowercase name.
 SET_NAME = re.compile(r"^\d\d_[a-z0-9_]+$")
@@ -43,6 +54,9 @@ _GRADESCOPE_ONLY = {"environment.yml", "setup.sh", "run_autograder", "run_otter.
                     "requirements.R", "run_autograder.r"}
 
 _ZIP_DATE = (2020, 1, 1, 0, 0, 0)
+
+#: The autograder zip's list of questions in notebook order (``{"questions": [name, ...]}``), read by the grader.
+QUESTIONS_FILE = "questions.json"
 
 
 def repo_root() -> Path:
@@ -91,18 +105,35 @@ def _normalise_notebook(nb: nbformat.NotebookNode) -> bytes:
     return (text if text.endswith("\n") else text + "\n").encode("utf-8")
 
 
-def _normalise_zip(path: Path) -> bytes:
-    """Otter's autograder zip, rewritten reproducibly: only what ``otter run`` reads, sorted, fixed dates."""
+def question_order(nb: nbformat.NotebookNode) -> list[str]:
+    """The ``name`` of every ``# BEGIN QUESTION`` raw cell of a source notebook, in notebook order."""
+    import yaml  # otter's dependency
+
+    names = []
+    for cell in nb.cells:
+        text = cell.source.lstrip() if cell.cell_type == "raw" else ""
+        if text.startswith("# BEGIN QUESTION"):
+            config = yaml.safe_load(text.split("\n", 1)[1] if "\n" in text else "") or {}
+            if isinstance(config, dict) and isinstance(config.get("name"), str):
+                names.append(config["name"])
+    return names
+
+
+def _normalise_zip(path: Path, questions: list[str]) -> bytes:
+    """Otter's autograder zip, rewritten reproducibly: only what ``otter run`` reads, sorted, fixed dates; plus
+    ``QUESTIONS_FILE``, the questions in notebook order (otter's own files name them only alphabetically, and
+    ``pagedkv grade`` lists exercises as the learner meets them). ``otter run`` ignores that file."""
     out = io.BytesIO()
     with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
-        for name in sorted(src.namelist()):
-            if name.endswith("/") or name in _GRADESCOPE_ONLY:
-                continue
+        entries = {name: src.read(name) for name in src.namelist()
+                   if not name.endswith("/") and name not in _GRADESCOPE_ONLY}
+        entries[QUESTIONS_FILE] = (json.dumps({"questions": questions}, indent=2) + "\n").encode()
+        for name in sorted(entries):
             info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
             info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
             info.create_system = 3  # unix, whatever the building machine
-            data = src.read(name)
+            data = entries[name]
             if name == "otter_config.json":  # stable key order and layout
                 data = (json.dumps(json.loads(data), indent=2, sort_keys=True) + "\n").encode()
             dst.writestr(info, data)
@@ -156,7 +187,8 @@ def build_set(source: Path) -> BuiltSet:
         built = BuiltSet(name)
         built.files[f"exercises/{name}.ipynb"] = _normalise_notebook(nbformat.read(student, as_version=4))
         built.files[f"solutions/{name}.ipynb"] = _normalise_notebook(nbformat.read(solution, as_version=4))
-        built.files[f"grading/autograder/{name}.zip"] = _normalise_zip(zips[0])
+        questions = question_order(nbformat.read(source, as_version=4))
+        built.files[f"grading/autograder/{name}.zip"] = _normalise_zip(zips[0], questions)
     return built
 
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import signal
 import threading
 import traceback
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +44,8 @@ DEFAULT_TIMEOUT = 5.0
 
 Hint = str | Callable[[Any], str | None] | None
 _SIZED = (list, tuple, dict, set, str, bytes)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType)
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
 
 class CallTimeout(BaseException):
@@ -56,13 +60,28 @@ def fail(message: str) -> None:
     raise AssertionError(message)
 
 
+def _function_name(value: Any) -> str | None:
+    """``builtin_hash``, ``BlockPool.free_blocks``: the qualified name of a function or method (without the
+    ``outer.<locals>.`` of a nested one), or None for anything else."""
+    if not isinstance(value, _FUNCTIONS):
+        return None
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    return name.rsplit("<locals>.", 1)[-1] if isinstance(name, str) and name else None
+
+
 def describe(value: Any, limit: int = 160) -> str:
     """``repr(value)``, shortened to about ``limit`` characters (long lists keep their first and last items
-    and say how many there are)."""
+    and say how many there are). A function is shown by its qualified name (``builtin_hash``), and memory
+    addresses (``<Foo object at 0x7f...>``) are left out, so that a message reads the same on every run."""
+    name = _function_name(value)
+    if name is not None:
+        return name
     try:
         text = repr(value)
     except Exception as exc:  # a learner's object whose __repr__ raises
         return f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
+    if not isinstance(value, (str, bytes)):
+        text = _ADDRESS.sub(">", text)
     if len(text) <= limit:
         return text
     if isinstance(value, (list, tuple)) and len(value) > 3:

@@ -7,10 +7,12 @@ failing that the assignment name otter stored in the notebook decides). The note
 temporary folder and graded there by :mod:`pagedkv.grading.worker` (``otter run``) in a process session of
 its own; the learner's file is never opened for writing.
 
-Whatever the notebook does, the outcome is a row per exercise: code that raises fails that exercise with the
-error's message, a call that hangs is interrupted by the test's own time limit, a cell that hangs by the
-per-cell limit, and a notebook still running at ``timeout`` seconds is killed, with each of its exercises
-failed as "timed out". The grader itself does not crash on a learner's notebook, and exits 0 when it graded.
+Whatever the notebook does, the outcome is a row per exercise, in the notebook's order: code that raises fails
+that exercise with the error's message, a call that hangs is interrupted by the test's own time limit, a cell
+that hangs by the per-cell limit (the notebook's row names the cell), and a notebook still running at
+``timeout`` seconds is killed, with each of its exercises failed as "timed out". When a function "is not
+defined" because the cell defining it raised (a SyntaxError, say) or was interrupted, the failure says so. The
+grader itself does not crash on a learner's notebook, and exits 0 when it graded.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from pagedkv.grading.build import QUESTIONS_FILE
 
 __all__ = [
     "CaseResult",
@@ -73,8 +77,11 @@ class NotebookResult:
     score: float
     possible: float
     seconds: float
-    message: str = ""
-    exercises: list[ExerciseResult] = field(default_factory=list)
+    message: str = ""  # why it failed; for a graded notebook, the cells interrupted at the per-cell limit ("")
+    exercises: list[ExerciseResult] = field(default_factory=list)  # in notebook order
+    # the learner's cells that raised or were interrupted: {cell (1-based), first_line, defines, timed_out,
+    # seconds, error}
+    cells: list[dict] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------ finding files
@@ -131,12 +138,22 @@ def find_autograder(notebook: Path, autograder_dir: Path) -> Path | None:
 
 
 def _expected_questions(zip_path: Path) -> list[tuple[str, float]]:
-    """(question, points) from the autograder zip's tests, for reporting a notebook that could not run.
+    """(question, points) from the autograder zip's tests, in notebook order, for ordering the exercises and
+    reporting a notebook that could not run.
 
-    Reads the test files' ``name`` and ``@test_case(points=...)`` lines without executing them."""
+    Reads the test files' ``name`` and ``@test_case(points=...)`` lines without executing them; the order is
+    the zip's ``questions.json`` (written by the build), then any other question alphabetically."""
     out = []
+    order: list[str] = []
     with zipfile.ZipFile(zip_path) as zf:
-        for entry in sorted(zf.namelist()):
+        names = zf.namelist()
+        if QUESTIONS_FILE in names:
+            try:
+                listed = json.loads(zf.read(QUESTIONS_FILE)).get("questions", [])
+                order = [q for q in listed if isinstance(q, str)]
+            except (ValueError, AttributeError):
+                order = []
+        for entry in sorted(names):
             if not (entry.startswith("tests/") and entry.endswith(".py")):
                 continue
             text = zf.read(entry).decode("utf-8", errors="replace")
@@ -145,7 +162,8 @@ def _expected_questions(zip_path: Path) -> list[tuple[str, float]]:
             cases = len(re.findall(r"@test_case\(", text))
             total = sum(pts) if len(pts) == cases else float(cases)
             out.append((name.group(1) if name else Path(entry).stem, total))
-    return out
+    rank = {q: i for i, q in enumerate(order)}
+    return sorted(out, key=lambda item: (rank.get(item[0], len(rank)), item[0]))
 
 
 # ------------------------------------------------------------------------------------------ grading
@@ -164,14 +182,50 @@ def _strip_exception_name(text: str) -> str:
     return re.sub(r"^AssertionError:\s*", "", text)
 
 
-def _exercise_from_json(q: dict) -> ExerciseResult:
+def _cell_trouble(cell: dict) -> str:
+    """What happened to a learner's cell, from the worker's report: 'raised SyntaxError: ... (line 3)'."""
+    if cell.get("timed_out"):
+        return f"was interrupted after {float(cell.get('seconds') or 0):g} s (an infinite loop?)"
+    return f"raised {cell.get('error') or 'an error'}"
+
+
+def _explain_undefined(message: str, cells: list[dict]) -> str:
+    """'X is not defined: run the cell ...' becomes 'X is not defined: the cell defining X (cell 5) raised
+    SyntaxError: invalid syntax (line 3)' when a cell that defines X raised or was interrupted: the learner did
+    run it, and the cell's own error is what to fix."""
+    m = re.search(r"\b([A-Za-z_]\w*) is not defined\b", message)
+    if not m:
+        return message
+    name = m.group(1)
+    culprits = [c for c in cells if name in (c.get("defines") or [])]
+    if not culprits:
+        return message
+    cell = culprits[-1]
+    return f"{message[: m.start()]}{name} is not defined: the cell defining {name} (cell {cell.get('cell')}) " + (
+        _cell_trouble(cell)
+    )
+
+
+def _interrupted_note(cells: list[dict]) -> str:
+    """The notebook row's note on cells stopped by the per-cell time limit ('' when there were none)."""
+    notes = [
+        f"cell {c.get('cell')} (`{c.get('first_line', '')}`) {_cell_trouble(c)}" for c in cells if c.get("timed_out")
+    ]
+    if not notes:
+        return ""
+    return "; ".join(notes) + ("; the cells after it still ran" if len(notes) == 1 else "; the other cells still ran")
+
+
+def _exercise_from_json(q: dict, cells: list[dict] | None = None) -> ExerciseResult:
+    cells = cells or []
     cases = [
         CaseResult(
             name=c["name"],
             hidden=c["hidden"],
             points=c["points"],
             passed=c["passed"],
-            message="" if c["passed"] else _strip_exception_name(_first_failure(c["message"])),
+            message="" if c["passed"] else _explain_undefined(_strip_exception_name(_first_failure(c["message"])),
+                                                              cells),
         )
         for c in q["cases"]
     ]
@@ -256,13 +310,16 @@ def grade_notebook(
 
     if not payload.get("ok"):
         return failed("error", payload.get("error") or "grading failed")
-    exercises = [_exercise_from_json(q) for q in payload["questions"]]
+    cells = [c for c in payload.get("cells") or [] if isinstance(c, dict)]
+    exercises = [_exercise_from_json(q, cells) for q in payload["questions"]]
     seen = {e.name for e in exercises}
     exercises += _all_failed([(n, p) for n, p in expected if n not in seen], "not graded (its test never ran)")
+    rank = {name: i for i, (name, _) in enumerate(expected)}  # notebook order (the zip's questions.json)
+    exercises.sort(key=lambda e: (rank.get(e.name, len(rank)), e.name))
     score = sum(e.score for e in exercises)
     possible = sum(e.possible for e in exercises)
-    return NotebookResult(label, str(autograder), "graded", score, possible, time.monotonic() - start, "",
-                          exercises)
+    return NotebookResult(label, str(autograder), "graded", score, possible, time.monotonic() - start,
+                          _interrupted_note(cells), exercises, cells)
 
 
 def grade_paths(
