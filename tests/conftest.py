@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# No per-example deadline anywhere: CI machines are shared, and a slow example is not a wrong one.
+settings.register_profile("lab", deadline=None)
+settings.load_profile("lab")
 
 
 def _has_cuda() -> bool:
