@@ -82,6 +82,41 @@ def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         raise ValueError(f"key_cache has an empty dimension: shape {tuple(key_cache.shape)}")
 
 
+def check_query_and_cache(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    query_layout: str,
+) -> tuple[int, int, int, int, int, int]:
+    """The checks every attention entry point makes on its query, its KV cache and the index ``tensors``
+    (same device, a runnable device, matching dtypes and head dims, Hq a multiple of Hkv).
+
+    ``query_layout`` names the query's first axis in the error (``"batch"``, ``"num_tokens"``). Returns
+    ``(rows, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads)``.
+    """
+    if query.dim() != 3:
+        raise ValueError(f"query must be [{query_layout}, num_q_heads, head_dim]; got shape {tuple(query.shape)}")
+    check_float_dtype("query", query)
+    check_kv_cache(key_cache, value_cache)
+    device = query.device
+    for name, t in {"key_cache": key_cache, "value_cache": value_cache, **tensors}.items():
+        check_device(name, t, device)
+    check_runnable(device)
+    if key_cache.dtype != query.dtype:
+        raise ValueError(f"query is {query.dtype} but the KV cache is {key_cache.dtype}; they must match")
+    rows, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if head_dim != cache_head_dim:
+        raise ValueError(f"query head_dim {head_dim} differs from the cache's head_dim {cache_head_dim}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}) "
+            "for grouped-query attention"
+        )
+    return rows, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads
+
+
 def check_block_tables(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32

@@ -28,7 +28,7 @@ def _collect_launches(dtypes, configs):
 
     from pagedkv.attention import make_paged_kv
 
-    from . import cache, decode_v1, decode_v2, decode_v3, decode_v4, prefill
+    from . import _common, cache, decode_v1, decode_v2, decode_v3, decode_v4, prefill
 
     calls = []
 
@@ -36,7 +36,7 @@ def _collect_launches(dtypes, configs):
         calls.append((self, args, kwargs))
 
     JITFunction.run = record
-    prefill.check_runnable = cache.check_runnable = lambda device: None  # CPU tensors, compiled kernels
+    _common.check_runnable = cache.check_runnable = lambda device: None  # CPU tensors, compiled kernels
     for dtype in dtypes:
         for group, head_dim in configs:
             kc, vc, bt, sl = make_paged_kv([5, 300], 2, head_dim, 16)

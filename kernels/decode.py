@@ -20,11 +20,8 @@ import torch
 
 from ._common import (
     check_block_tables,
-    check_device,
-    check_float_dtype,
-    check_kv_cache,
     check_out,
-    check_runnable,
+    check_query_and_cache,
     resolve_scale,
 )
 from .decode_v1 import launch_decode_v1
@@ -51,26 +48,9 @@ def _validate(
     check_values: bool,
 ) -> int:
     """All checks ``paged_attention_decode`` makes; returns the longest sequence length (or a bound)."""
-    if query.dim() != 3:
-        raise ValueError(f"query must be [batch, num_q_heads, head_dim]; got shape {tuple(query.shape)}")
-    check_float_dtype("query", query)
-    check_kv_cache(key_cache, value_cache)
-    device = query.device
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
-                    ("seq_lens", seq_lens)):
-        check_device(name, t, device)
-    check_runnable(device)
-    if key_cache.dtype != query.dtype:
-        raise ValueError(f"query is {query.dtype} but the KV cache is {key_cache.dtype}; they must match")
-    batch, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if head_dim != cache_head_dim:
-        raise ValueError(f"query head_dim {head_dim} differs from the cache's head_dim {cache_head_dim}")
-    if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}) "
-            "for grouped-query attention"
-        )
+    batch, _, _, num_blocks, block_size, _ = check_query_and_cache(
+        query, key_cache, value_cache, {"block_tables": block_tables, "seq_lens": seq_lens}, "batch"
+    )
     if check_values:
         return check_block_tables(block_tables, seq_lens, batch, num_blocks, block_size)
     # Cheap shape checks only; the longest possible length bounds the split heuristic.

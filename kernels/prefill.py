@@ -26,11 +26,8 @@ import triton.language as tl
 from ._common import (
     LOG2E,
     check_block_tables,
-    check_device,
-    check_float_dtype,
-    check_kv_cache,
     check_out,
-    check_runnable,
+    check_query_and_cache,
     dot_precision,
     next_pow2,
     resolve_scale,
@@ -140,23 +137,13 @@ def paged_prefill_attention(
     ``query_start_loc`` that does not start at 0, end at T and never decrease, a sequence with more new
     tokens than ``seq_len``, and the block-table problems ``paged_attention_decode`` refuses.
     """
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim]; got shape {tuple(query.shape)}")
-    check_float_dtype("query", query)
-    check_kv_cache(key_cache, value_cache)
-    device = query.device
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_tables", block_tables),
-                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-        check_device(name, t, device)
-    check_runnable(device)
-    if key_cache.dtype != query.dtype:
-        raise ValueError(f"query is {query.dtype} but the KV cache is {key_cache.dtype}; they must match")
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if head_dim != cache_head_dim:
-        raise ValueError(f"query head_dim {head_dim} differs from the cache's head_dim {cache_head_dim}")
-    if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads = check_query_and_cache(
+        query,
+        key_cache,
+        value_cache,
+        {"block_tables": block_tables, "seq_lens": seq_lens, "query_start_loc": query_start_loc},
+        "num_tokens",
+    )
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (batch + 1,):
         raise ValueError(
