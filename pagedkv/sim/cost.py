@@ -24,12 +24,14 @@ Parameters (edit them to model another machine; every number below is a stated a
   ``2 (K, V) * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB`` of KV per token (the PagedAttention paper
   quotes 800 KB for the 13B model, whose hidden size is 5120 and 40 layers).
 
-There is no vLLM counterpart (vLLM measures, it does not model); the structure is the roofline model
-(Williams, Waterman and Patterson, CACM 2009) applied to a transformer step.
+The step cost has no vLLM counterpart (vLLM measures, it does not model); its structure is the roofline
+model (Williams, Waterman and Patterson, CACM 2009) applied to a transformer step. ``num_gpu_blocks``
+follows vLLM 0.26's sizing arithmetic (``gpu_memory_utilization`` 0.92 by default; see its docstring).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -71,6 +73,9 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
 
 
+#: ``CacheConfig.gpu_memory_utilization``'s default in vLLM 0.26 (``vllm/config/cache.py``).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+
 H100_SXM = GPUSpec("H100 SXM5 80GB", hbm_bytes=80e9, hbm_bandwidth=3.35e12, peak_flops=989e12, pcie_bandwidth=64e9)
 LLAMA2_7B = ModelSpec(
     "Llama-2-7B", num_params=6.74e9, num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128
@@ -111,17 +116,45 @@ class CostModel:
         return self.model.kv_bytes_per_token * self.block_size
 
     def num_gpu_blocks(
-        self, gpu_memory_utilization: float = 0.9, activation_bytes: float = 1.5e9, cudagraph_bytes: float = 0.5e9
+        self,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        activation_bytes: float = 1.5e9,
+        cudagraph_bytes: float = 0.5e9,
+        non_torch_bytes: float = 0.3e9,
+        kv_cache_memory_bytes: int | None = None,
     ) -> int:
-        """The card's profiling formula: ``floor((util * VRAM - weights - activations - cudagraph) / bytes per
-        block)``. Mirrors what ``vllm/v1/worker/gpu_worker.py`` (``determine_available_memory``) measures and
-        ``vllm/v1/core/kv_cache_utils.py`` (``get_kv_cache_configs``) divides. The activation and CUDA-graph
-        figures are assumptions of the order vLLM profiles for a 7B model."""
-        budget = gpu_memory_utilization * self.gpu.hbm_bytes - self.model.weight_bytes - activation_bytes
-        budget -= cudagraph_bytes
-        if budget <= 0:
-            raise ValueError(f"no memory left for the KV cache: budget {budget / 1e9:.2f} GB")
-        return int(budget // self.kv_bytes_per_block)
+        """How many KV blocks fit, by vLLM 0.26's arithmetic.
+
+        ``vllm/v1/worker/utils.py::request_memory`` asks for ``ceil(total * gpu_memory_utilization)`` bytes
+        (``CacheConfig.gpu_memory_utilization``, default 0.92, ``vllm/config/cache.py``);
+        ``vllm/v1/worker/gpu_worker.py::Worker.determine_available_memory`` subtracts the non-KV memory it
+        profiles (weights + the torch peak of a dummy forward pass + the non-torch increase: NCCL, cuBLAS
+        workspaces) and, by default since v0.21 (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``), the
+        CUDA-graph estimate; ``vllm/v1/core/kv_cache_utils.py::get_num_blocks`` divides what is left by
+        the page size and the number of layers (here ``kv_bytes_per_block`` covers all layers at once, and
+        the two floors give the same integer). When ``kv_cache_memory_bytes`` is given it is the KV budget
+        itself and the utilization is ignored, as in vLLM. The activation, non-torch and CUDA-graph figures
+        are this model's assumptions for a 7B model on one GPU, not measurements. Changes nothing; raises
+        ``ValueError`` when the non-KV memory exceeds the requested memory or an argument is out of range."""
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if min(activation_bytes, cudagraph_bytes, non_torch_bytes) < 0:
+            raise ValueError("activation_bytes, cudagraph_bytes and non_torch_bytes must be >= 0")
+        if kv_cache_memory_bytes is not None:
+            if kv_cache_memory_bytes < 0:
+                raise ValueError(f"kv_cache_memory_bytes must be >= 0, got {kv_cache_memory_bytes}")
+            available = float(kv_cache_memory_bytes)
+        else:
+            requested = math.ceil(self.gpu.hbm_bytes * gpu_memory_utilization)
+            non_kv = self.model.weight_bytes + activation_bytes + non_torch_bytes
+            available = requested - non_kv - cudagraph_bytes
+            if available <= 0:
+                raise ValueError(
+                    f"no memory left for the KV cache: {requested / 1e9:.2f} GB requested "
+                    f"({gpu_memory_utilization} of {self.gpu.hbm_bytes / 1e9:.0f} GB), "
+                    f"{(non_kv + cudagraph_bytes) / 1e9:.2f} GB of it is not KV"
+                )
+        return int(available // self.kv_bytes_per_block)
 
     # --- one step ----------------------------------------------------------------------------------------
     def chunks_cost(
