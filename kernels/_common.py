@@ -144,8 +144,6 @@ def check_block_tables(
             f"batch sizes disagree: query has {batch} sequences, block_tables {block_tables.shape[0]}, "
             f"seq_lens {seq_lens.shape[0]}"
         )
-    if block_tables.stride(-1) != 1:
-        raise ValueError("block_tables must be contiguous along its last dimension")
     lens = seq_lens.cpu().long()
     if batch == 0:
         return 0
@@ -168,6 +166,23 @@ def check_block_tables(
             f"outside the cache's 0..{num_blocks - 1}"
         )
     return int(lens.max())
+
+
+def contiguous_index(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its elements sit one after another in memory, else a contiguous copy.
+
+    The kernels read integer inputs (``seq_lens``, ``slot_mapping``, ``query_start_loc``, the columns of
+    ``block_tables``) at ``ptr + i``: a strided view such as ``seq_lens[::2]`` would be read as if it
+    were packed, silently giving wrong lengths or slots (or reading past the tensor). Copying the rare
+    strided input costs one small launch; the common contiguous case costs one attribute check.
+    """
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D ``t`` whose last dimension is packed (``stride(-1) == 1``); the row stride is passed to the
+    kernel, so a row view like ``block_tables[::2]`` is used as it is and only a column view is copied."""
+    return t if t.dim() != 2 or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:

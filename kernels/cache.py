@@ -16,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_device, check_float_dtype, check_kv_cache, check_runnable, next_pow2
+from ._common import (
+    check_device,
+    check_float_dtype,
+    check_kv_cache,
+    check_runnable,
+    contiguous_index,
+    next_pow2,
+)
 
 
 @triton.jit
@@ -103,6 +110,7 @@ def reshape_and_cache(
             raise ValueError("slot_mapping gives the same slot to two tokens")
     if num_tokens == 0:
         return
+    slot_mapping = contiguous_index(slot_mapping)  # the kernel reads slot t at ptr + t
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:

@@ -22,6 +22,8 @@ from ._common import (
     check_block_tables,
     check_out,
     check_query_and_cache,
+    contiguous_index,
+    contiguous_rows,
     resolve_scale,
 )
 from .decode_v1 import launch_decode_v1
@@ -101,6 +103,9 @@ def paged_attention_decode(
     scale = resolve_scale(scale, query.shape[-1])
     if query.stride(-1) != 1:
         query = query.contiguous()
+    # The kernels read seq_lens[b] at ptr + b and block_tables[b, j] at ptr + b * stride_bt + j.
+    seq_lens = contiguous_index(seq_lens)
+    block_tables = contiguous_rows(block_tables)
 
     splits = num_splits or choose_num_splits(query.shape[0], key_cache.shape[2], max_len, num_sms(query.device))
     if version is None:

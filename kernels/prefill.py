@@ -28,6 +28,8 @@ from ._common import (
     check_block_tables,
     check_out,
     check_query_and_cache,
+    contiguous_index,
+    contiguous_rows,
     dot_precision,
     next_pow2,
     resolve_scale,
@@ -171,6 +173,9 @@ def paged_prefill_attention(
     scale = resolve_scale(scale, head_dim)
     if query.stride(-1) != 1:
         query = query.contiguous()
+    seq_lens = contiguous_index(seq_lens)  # read at ptr + b
+    query_start_loc = contiguous_index(query_start_loc)  # read at ptr + b and ptr + b + 1
+    block_tables = contiguous_rows(block_tables)  # read at ptr + b * stride_bt + j
     group = num_q_heads // num_kv_heads
     block_m = max(BLOCK_M, next_pow2(group))
     block_q = block_m // group

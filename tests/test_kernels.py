@@ -157,6 +157,95 @@ def test_empty_batch_returns_empty():
 
 
 # --------------------------------------------------------------------------------------------------
+# strided integer inputs (issue 9 §2): views are read by value, never as if packed
+# --------------------------------------------------------------------------------------------------
+
+HIDDEN = 10**6  # what sits between a strided view's elements: a wrong read is out of range, and loud
+
+
+def _strided_1d(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t``, as a ``[::2]`` view whose hidden elements are HIDDEN."""
+    wide = torch.full((2 * t.shape[0],), HIDDEN, dtype=t.dtype, device=t.device)
+    wide[::2] = t
+    view = wide[::2]
+    assert torch.equal(view, t) and view.stride(0) == 2
+    return view
+
+
+def _strided_rows(t: torch.Tensor) -> torch.Tensor:
+    wide = torch.full((2 * t.shape[0], t.shape[1]), HIDDEN, dtype=t.dtype, device=t.device)
+    wide[::2] = t
+    return wide[::2]
+
+
+def _strided_cols(t: torch.Tensor) -> torch.Tensor:
+    wide = torch.full((t.shape[0], 2 * t.shape[1]), HIDDEN, dtype=t.dtype, device=t.device)
+    wide[:, ::2] = t
+    view = wide[:, ::2]
+    assert view.stride(-1) == 2
+    return view
+
+
+STRIDED = {"seq_lens[::2]": ("seq_lens", _strided_1d), "block_tables rows [::2]": ("block_tables", _strided_rows),
+           "block_tables cols [:, ::2]": ("block_tables", _strided_cols)}
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validated", "unvalidated"])
+@pytest.mark.parametrize("which", list(STRIDED))
+@pytest.mark.parametrize("version", [*DECODE_VERSIONS, None], ids=["v1", "v2", "v3", "v4", "dispatch"])
+def test_decode_reads_strided_integer_inputs_by_value(version, which, validate):
+    q, kc, vc, bt, sl, ref = _decode_case([10, 12, 6, 70], 2, 2, 32, torch.float32, seed=21)
+    args = {"seq_lens": sl, "block_tables": bt}
+    name, make = STRIDED[which]
+    args[name] = make(args[name])
+    out = _poisoned(q)
+    paged_attention_decode(q, kc, vc, args["block_tables"], args["seq_lens"], version=version, out=out,
+                           num_splits=2 if version == 4 else None, validate=validate)
+    _check(out, ref, torch.float32, f"version {version} with {which}")
+
+
+def test_issue_9_seq_lens_example():
+    """The report's reproduction: ``tensor([10, 12, 6, 12])[::2]`` is lengths 10 and 6, not 10 and 12."""
+    q, kc, vc, bt, _, _ = _decode_case([10, 6], 1, 2, 16, torch.float32, seed=3, max_blocks=1)
+    sl = torch.tensor([10, 12, 6, 12], dtype=torch.int32, device=DEVICE)[::2]
+    ref = ref_paged_attention_decode(q, kc, vc, bt, sl.contiguous(), compute_dtype=torch.float64)
+    for version in DECODE_VERSIONS:
+        _check(paged_attention_decode(q, kc, vc, bt, sl, version=version), ref, torch.float32, f"v{version}")
+
+
+@pytest.mark.parametrize("which", ["seq_lens", "query_start_loc", "block_tables rows", "block_tables cols"])
+def test_prefill_reads_strided_integer_inputs_by_value(which):
+    q, kc, vc, bt, sl, qsl, ref = _prefill_case([17, 40, 33], [17, 8, 5], 2, 2, 32, torch.float32, seed=5)
+    args = {"block_tables": bt, "seq_lens": sl, "query_start_loc": qsl}
+    key = which.split()[0]
+    make = {"seq_lens": _strided_1d, "query_start_loc": _strided_1d, "block_tables rows": _strided_rows,
+            "block_tables cols": _strided_cols}[which]
+    args[key] = make(args[key])
+    for validate in (True, False):
+        out = _poisoned(q)
+        paged_prefill_attention(q, kc, vc, args["block_tables"], args["seq_lens"], args["query_start_loc"],
+                                out=out, validate=validate, max_query_len=17)
+        _check(out, ref, torch.float32, f"prefill with strided {which}, validate={validate}")
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_reshape_and_cache_reads_a_strided_slot_mapping_by_value(validate):
+    """The report's reproduction: ``tensor([5, 9, 6, 9, 7, 9])[::2]`` is slots 5, 6, 7 (not 5, 6, 9)."""
+    kc = torch.zeros(3, 4, 1, 16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    k = torch.arange(1, 4, dtype=torch.float32, device=DEVICE)[:, None, None].expand(3, 1, 16).contiguous()
+    slots = torch.tensor([5, 9, 6, 9, 7, 9], device=DEVICE)[::2]
+    reshape_and_cache(k, -k, kc, vc, slots, validate=validate)
+    flat = kc.view(-1, 16)[:, 0].tolist()
+    assert flat[5:8] == [1.0, 2.0, 3.0] and flat[9] == 0.0
+    assert (vc.view(-1, 16)[5:8, 0] == -k[:, 0, 0]).all()
+    # Hidden elements far out of range must never be read (they would be an out-of-bounds write).
+    kc.zero_()
+    reshape_and_cache(k, k, kc, vc, _strided_1d(torch.tensor([0, 1, 11], device=DEVICE)), validate=validate)
+    assert kc.view(-1, 16)[[0, 1, 11], 0].tolist() == [1.0, 2.0, 3.0]
+
+
+# --------------------------------------------------------------------------------------------------
 # bad inputs: a clear ValueError, nothing written
 # --------------------------------------------------------------------------------------------------
 
