@@ -143,6 +143,19 @@ class BlockPool:
                 self.record_eviction(block.block_id, block_hash)
         return True
 
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Forget the cached prefix of each given block (its hash cleared and removed from the map); blocks
+        without a hash are left alone, and a held block stays held (only its cache entry goes). Used for
+        blocks whose KV will never be written, so that no later request hits them. ``ValueError`` (no change)
+        for an id that is not a usable block of this pool. Mirrors ``BlockPool.evict_blocks``."""
+        ids = list(block_ids)
+        n = self.num_gpu_blocks
+        for block_id in ids:
+            if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 < block_id < n:
+                raise ValueError(f"cannot evict block {block_id!r}: not a usable block id of this pool (1..{n - 1})")
+        for block_id in ids:
+            self._maybe_evict_cached_block(self.blocks[block_id])
+
     def record_eviction(self, block_id: int, block_hash: BlockHash, request_id: str | None = None) -> None:
         """Record an ``evict`` event (when tracing)."""
         if self.trace is not None:

@@ -110,6 +110,12 @@ class KVCacheManager:
             self.prefix_cache_stats.reset = True
         return ok
 
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Take these blocks out of the prefix cache (``BlockPool.evict_blocks``): their KV is not what their
+        hash says (never written, or failed to load). Mirrors ``KVCacheManager.evict_blocks``."""
+        self.block_pool.evict_blocks(block_ids)
+        self._flush_evictions(None)
+
     # --- allocation ---------------------------------------------------------------------------------
     def _blocks_written(self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int) -> list[int]:
         """Indices of blocks already in the table that this step writes into while another request shares
@@ -207,7 +213,7 @@ class KVCacheManager:
             self._cache_blocks(request, min(num_tokens_need_slot, request.num_tokens))
         return new_blocks
 
-    def _flush_evictions(self, request_id: str) -> None:
+    def _flush_evictions(self, request_id: str | None) -> None:
         """Record the evictions of the blocks just taken for ``request_id``, now that they are in its table."""
         pool = self.block_pool
         for block_id, block_hash in pool.deferred_evictions:

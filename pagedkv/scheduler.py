@@ -298,6 +298,10 @@ class Scheduler:
                 if victim_index < req_index:
                     req_index -= 1
                 was_scheduled = victim.request_id in state.num_scheduled_tokens
+                if was_scheduled:
+                    # Its allocate_slots in this step entered the blocks this step was to fill in the prefix
+                    # cache; no forward pass will write them now, so they must not be found by a later hit.
+                    self._uncache_unwritten_blocks(victim)
                 self._preempt_request(victim, state)  # first: a swap-out reads this step's copies
                 if was_scheduled:
                     state.remove(victim)
@@ -439,6 +443,25 @@ class Scheduler:
         if self.policy is SchedulingPolicy.PRIORITY:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
+
+    def _uncache_unwritten_blocks(self, request: Request) -> None:
+        """Evict from the prefix cache the blocks of ``request`` that were cached by this step's
+        ``allocate_slots`` but hold no KV yet: those past its ``num_computed_tokens`` (which still counts only
+        what earlier steps computed). Called when a request scheduled earlier in the step is preempted later in
+        the same step (the priority policy), before its blocks are freed: otherwise they would go back to the
+        free queue with their hashes, and a later request with the same prefix would hit blocks that no
+        forward pass ever wrote. vLLM 0.26's ``Scheduler.schedule`` gives the victim's tokens back to the budget
+        but leaves its hashes in place; the eviction uses ``KVCacheManager.evict_blocks``, which vLLM uses for
+        blocks whose KV failed to load (``Scheduler._handle_invalid_blocks``)."""
+        manager = self.kv_cache_manager
+        rid = request.request_id
+        blocks = manager.req_to_blocks.get(rid)
+        if not blocks:
+            return
+        first_unwritten = request.num_computed_tokens // self.block_size
+        unwritten = {b.block_id for b in blocks[first_unwritten:] if b.block_hash is not None}
+        if unwritten:
+            manager.evict_blocks(unwritten)
 
     def _preempt_request(self, request: Request, state: _StepState | None = None) -> None:
         """Take a request (already removed from ``running``) off the GPU and put it back in ``waiting``.

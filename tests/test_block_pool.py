@@ -140,3 +140,25 @@ def test_touch_refuses_the_null_block_and_foreign_blocks_without_change():
         pool.touch([a, other.blocks[2]])  # a free block of another pool
     assert a.ref_cnt == 1 and pool.null_block.ref_cnt == 0
     assert other.get_num_free_blocks() == 3 and free_ids(other) == [1, 2, 3]
+
+
+def test_evict_blocks_forgets_hashes_of_held_and_free_blocks_and_refuses_bad_ids():
+    """``BlockPool.evict_blocks`` (vLLM 0.26's name): cached blocks leave the map whether held or free;
+    a bad id changes nothing."""
+    from pagedkv import KVCacheManager
+
+    m = KVCacheManager(6, 2)
+    r = Request("r", [1, 2, 3, 4, 5], max_tokens=1)
+    m.allocate_slots(r, 5)
+    pool = m.block_pool
+    assert pool.get_num_cached_blocks() == 2
+    with pytest.raises(ValueError):
+        pool.evict_blocks([1, 0])
+    with pytest.raises(ValueError):
+        pool.evict_blocks([True])
+    assert pool.get_num_cached_blocks() == 2
+    m.evict_blocks({1})
+    assert pool.blocks[1].block_hash is None and pool.blocks[1].ref_cnt == 1
+    m.free(r)
+    pool.evict_blocks([2, 3])  # free ones; 3 has no hash: left alone
+    assert pool.get_num_cached_blocks() == 0
