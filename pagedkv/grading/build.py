@@ -35,13 +35,16 @@ from pathlib import Path
 import nbformat
 
 __all__ = [
+    "CHECK_ALL_SOURCE",
     "QUESTIONS_FILE",
     "SET_NAME",
     "BuiltSet",
     "build_all",
     "build_set",
     "check_source",
+    "describe_questions",
     "find_sources",
+    "init_cell_source",
     "question_order",
     "repo_root",
 ]
@@ -55,8 +58,35 @@ _GRADESCOPE_ONLY = {"environment.yml", "setup.sh", "run_autograder", "run_otter.
 
 _ZIP_DATE = (2020, 1, 1, 0, 0, 0)
 
-#: The autograder zip's list of questions in notebook order (``{"questions": [name, ...]}``), read by the grader.
+#: The autograder zip's description of the set, read by the grader and the notebook's checks:
+#: ``{"questions": [name, ...], "exercises": {name: {number, heading, stub, reference}}}`` (see
+#: :func:`describe_questions`); the generated notebooks carry the same under ``metadata["pagedkv"]``.
 QUESTIONS_FILE = "questions.json"
+
+#: The check-all section that ends every generated notebook (markdown, then the code cell).
+CHECK_ALL_MARKDOWN = """## Check everything
+
+The cell below runs the public test cases of every exercise in this notebook and lists your points per exercise,
+then each failing case in full. (`./lab grade` runs the hidden cases too.)
+
+To start an exercise over, run `grader.reset("name")` in any cell, with the exercise's name as its check cell
+spells it (`grader.check("name")`): it prints the exercise's code as it was handed out and puts it in a new cell
+below, ready to run. Your own cell is left as it is."""
+CHECK_ALL_SOURCE = "grader.check_all()"
+
+_OTTER_INIT = "# Initialize Otter"
+_CHECK_CALL = re.compile(r'^grader\.check\("([^"]+)"\)\s*$')
+_POINTS = re.compile(r"\s*\(\s*\d+(?:\.\d+)?\s+points?\s*\)\s*$")
+
+
+def init_cell_source(set_name: str) -> str:
+    """The first cell of a generated notebook: the checks, found by the set's name (not the file's), so that a
+    renamed or moved copy of the notebook checks like the original (otter's own init cell names the file)."""
+    return (
+        "# The checks of this exercise set (they work in a renamed or moved copy of this notebook too)\n"
+        "from pagedkv.grading.notebook import Checks\n\n"
+        f'grader = Checks("{set_name}")'
+    )
 
 
 def repo_root() -> Path:
@@ -119,7 +149,77 @@ def question_order(nb: nbformat.NotebookNode) -> list[str]:
     return names
 
 
-def _normalise_zip(path: Path, questions: list[str]) -> bytes:
+def describe_questions(source_nb: nbformat.NotebookNode, student_nb: nbformat.NotebookNode) -> dict:
+    """``{"questions": [...], "exercises": {name: {"number", "heading", "stub", "reference"}}}``.
+
+    From the source: each question's heading (its first markdown heading, without the "## " and the points:
+    what JupyterLab's table of contents shows), the number it starts with, and the library symbols that answer
+    it (``reference:`` in the ``# BEGIN QUESTION`` cell, a list of dotted names such as
+    ``pagedkv.fragmentation.blocks_needed``; the grader makes them unreachable from the learner's code). From
+    the learner's notebook: the answer cells as handed out, which ``grader.reset(name)`` brings back."""
+    import yaml  # otter's dependency
+
+    exercises: dict[str, dict] = {}
+    order: list[str] = []
+    current: str | None = None
+    for cell in source_nb.cells:
+        text = cell.source.lstrip()
+        if cell.cell_type == "raw" and text.startswith("# BEGIN QUESTION"):
+            config = yaml.safe_load(text.split("\n", 1)[1] if "\n" in text else "") or {}
+            name = config.get("name") if isinstance(config, dict) else None
+            if not isinstance(name, str):
+                current = None
+                continue
+            reference = config.get("reference") or []
+            if isinstance(reference, str):
+                reference = [reference]
+            current = name
+            order.append(name)
+            exercises[name] = {"number": None, "heading": "", "stub": "",
+                               "reference": [str(r) for r in reference]}
+        elif cell.cell_type == "raw" and text.startswith("# END QUESTION"):
+            current = None
+        elif current and cell.cell_type == "markdown" and not exercises[current]["heading"]:
+            for line in cell.source.splitlines():
+                m = re.match(r"^#+\s+(.*\S)\s*$", line)
+                if m:
+                    heading = _POINTS.sub("", m.group(1))
+                    exercises[current]["heading"] = heading
+                    number = re.match(r"^(\d+)[.)]\s", heading)
+                    exercises[current]["number"] = int(number.group(1)) if number else None
+                    break
+    answers: list[str] = []
+    for cell in student_nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if "otter_answer_cell" in (cell.metadata.get("tags") or []):
+            answers.append(cell.source)
+            continue
+        m = _CHECK_CALL.match(cell.source.strip())
+        if m:
+            if m.group(1) in exercises and answers:
+                exercises[m.group(1)]["stub"] = "\n\n\n".join(answers)
+            answers = []
+    return {"questions": order, "exercises": exercises}
+
+
+def _finish_notebook(nb: nbformat.NotebookNode, set_name: str, description: dict) -> nbformat.NotebookNode:
+    """otter's notebook made ours: the init cell finds the checks by the set's name, the set's description is
+    in the metadata (for the checks when the zip is not at hand), and a check-all section ends it."""
+    locked = {"deletable": False, "editable": False}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.lstrip().startswith(_OTTER_INIT):
+            cell.source = init_cell_source(set_name)
+            break
+    else:
+        nb.cells.insert(0, nbformat.v4.new_code_cell(init_cell_source(set_name), metadata=dict(locked)))
+    nb.metadata["pagedkv"] = description
+    nb.cells.append(nbformat.v4.new_markdown_cell(CHECK_ALL_MARKDOWN, metadata=dict(locked)))
+    nb.cells.append(nbformat.v4.new_code_cell(CHECK_ALL_SOURCE, metadata=dict(locked)))
+    return nb
+
+
+def _normalise_zip(path: Path, description: dict) -> bytes:
     """Otter's autograder zip, rewritten reproducibly: only what ``otter run`` reads, sorted, fixed dates; plus
     ``QUESTIONS_FILE``, the questions in notebook order (otter's own files name them only alphabetically, and
     ``pagedkv grade`` lists exercises as the learner meets them). ``otter run`` ignores that file."""
@@ -127,7 +227,7 @@ def _normalise_zip(path: Path, questions: list[str]) -> bytes:
     with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
         entries = {name: src.read(name) for name in src.namelist()
                    if not name.endswith("/") and name not in _GRADESCOPE_ONLY}
-        entries[QUESTIONS_FILE] = (json.dumps({"questions": questions}, indent=2) + "\n").encode()
+        entries[QUESTIONS_FILE] = (json.dumps(description, indent=2) + "\n").encode()
         for name in sorted(entries):
             info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
             info.compress_type = zipfile.ZIP_DEFLATED
@@ -185,10 +285,12 @@ def build_set(source: Path) -> BuiltSet:
         if not (student.is_file() and solution.is_file() and len(zips) == 1):
             raise RuntimeError(f"otter assign on {source.name} did not produce the expected files in {dist}")
         built = BuiltSet(name)
-        built.files[f"exercises/{name}.ipynb"] = _normalise_notebook(nbformat.read(student, as_version=4))
-        built.files[f"solutions/{name}.ipynb"] = _normalise_notebook(nbformat.read(solution, as_version=4))
-        questions = question_order(nbformat.read(source, as_version=4))
-        built.files[f"grading/autograder/{name}.zip"] = _normalise_zip(zips[0], questions)
+        student_nb = nbformat.read(student, as_version=4)
+        description = describe_questions(nbformat.read(source, as_version=4), student_nb)
+        built.files[f"exercises/{name}.ipynb"] = _normalise_notebook(_finish_notebook(student_nb, name, description))
+        solution_nb = _finish_notebook(nbformat.read(solution, as_version=4), name, description)
+        built.files[f"solutions/{name}.ipynb"] = _normalise_notebook(solution_nb)
+        built.files[f"grading/autograder/{name}.zip"] = _normalise_zip(zips[0], description)
     return built
 
 
