@@ -1,0 +1,212 @@
+"""The attention backend glue: transformers' attention modules, reading and writing the paged KV cache.
+
+transformers lets a model's attention be swapped by name: ``AttentionInterface.register("pagedkv", fn)``
+and a model whose ``config._attn_implementation == "pagedkv"`` calls ``fn(module, query, key, value,
+attention_mask, scaling=..., **kwargs)`` in every layer, after the projections and RoPE
+(``transformers/modeling_utils.py``: ``AttentionInterface``; compare ``integrations/sdpa_attention.py``).
+Whatever keyword arguments the caller gave the model's ``forward`` arrive in ``kwargs``: the model runner
+passes one :class:`AttentionMetadata` per step as ``pagedkv_metadata``. So the model code stays
+transformers' own: only attention changes.
+
+Each call does two things for its layer (``module.layer_idx``):
+
+1. writes the step's new K and V into the paged cache at ``slot_mapping`` (``reshape_and_cache``);
+2. attends each new query to its request's tokens through the block table (the new ones included, causally).
+
+Two backends do this: ``"torch"`` (PyTorch on any device; the CPU default) and ``"triton"`` (the lab's
+kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentionImpl.forward``
+(``vllm/v1/attention/backends/flash_attn.py``), whose metadata comes from ``FlashAttentionMetadataBuilder``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ATTN_IMPLEMENTATION = "pagedkv"
+METADATA_KWARG = "pagedkv_metadata"
+BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step, built once per step by the model runner.
+
+    The step's ``T`` tokens are packed request after request (scheduling order); request ``b`` owns
+    tokens ``query_start_loc[b]:query_start_loc[b+1]``, its KV fills ``seq_lens[b]`` slots after this step.
+    Mirrors ``FlashAttentionMetadata`` (``vllm/v1/attention/backends/flash_attn.py``).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes (-1: padding, skipped)
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: cached + new tokens of each request
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key_cache, value_cache [N, bs, Hkv, D]
+    backend: str = "torch"
+    # The torch backend's split of the batch (host ints, built with the metadata): requests with one new
+    # token are attended together in one batched call, the others one by one.
+    decode_req_idx: torch.Tensor | None = None  # [Bd] int64: the requests with q_len == 1
+    prefill_reqs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (b, lo, hi, seq_len)
+    decode_version: int | None = None  # the Triton decode kernel for decode-only steps (None: its choice)
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+def write_kv_torch(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [N, bs, Hkv, D] (written)
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """``reshape_and_cache`` in PyTorch: token t's K/V to flat slot ``slot_mapping[t]``; -1 slots skipped."""
+    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def _attend(
+    q: torch.Tensor,  # [B, Lq, Hq, D]
+    k: torch.Tensor,  # [B, Lk, Hkv, D]
+    v: torch.Tensor,  # [B, Lk, Hkv, D]
+    visible: torch.Tensor,  # [B, Lq, Lk] bool
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention with grouped-query heads, computed in float32; returns ``[B, Lq, Hq, D]``."""
+    b, lq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    qf = q.float().reshape(b, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)  # [B, Hkv, G·Lq, D]
+    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, Lk]
+    vf = v.float().permute(0, 2, 1, 3)  # [B, Hkv, Lk, D]
+    scores = torch.matmul(qf, kf).mul_(scale)  # [B, Hkv, G·Lq, Lk]
+    lk = visible.shape[-1]
+    mask = visible[:, None].expand(b, g, lq, lk).reshape(b, 1, g * lq, lk)  # row g·Lq + i: query i
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vf)  # [B, Hkv, G·Lq, D]
+    return out.reshape(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, hq, d).to(q.dtype)
+
+
+def torch_paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [N, bs, Hkv, D]: already holds this step's K
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
+
+    Decode requests (one new token) are done together: their blocks are gathered through the block table
+    into a padded ``[Bd, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``. Each prefill chunk is
+    done alone, its keys gathered the same way, with a causal mask offset by its cached prefix. The same
+    arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
+    """
+    out = torch.empty_like(query)
+    bs = key_cache.shape[1]
+    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    if meta.decode_req_idx is not None and meta.decode_req_idx.numel():
+        idx = meta.decode_req_idx
+        lens = meta.seq_lens[idx].long()  # [Bd]
+        width = -(-int(lens.max()) // bs)
+        table = meta.block_tables[idx, :width].long()  # [Bd, W]
+        k = key_cache[table].reshape(idx.numel(), width * bs, hkv, d)  # [Bd, W·bs, Hkv, D]
+        v = value_cache[table].reshape(idx.numel(), width * bs, hkv, d)
+        visible = (torch.arange(width * bs, device=query.device)[None, :] < lens[:, None])[:, None, :]  # [Bd,1,L]
+        tok = meta.query_start_loc[idx].long()  # [Bd]: the token of each decode request
+        out[tok] = _attend(query[tok][:, None], k, v, visible, scale)[:, 0]
+    for b, lo, hi, seq_len in meta.prefill_reqs:
+        nblk = -(-seq_len // bs)
+        table = meta.block_tables[b, :nblk].long()
+        k = key_cache[table].reshape(1, nblk * bs, hkv, d)[:, :seq_len]  # [1, L, Hkv, D]
+        v = value_cache[table].reshape(1, nblk * bs, hkv, d)[:, :seq_len]
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [Lq, L] causal
+        out[lo:hi] = _attend(query[None, lo:hi], k, v, visible[None], scale)[0]
+    return out
+
+
+def triton_paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Paged attention with the lab's Triton kernels (CUDA): ``paged_attention_decode`` for a decode-only
+    step (the one a CUDA graph replays), ``paged_prefill_attention`` for a mixed one (a decode is a chunk of
+    one token). ``validate=False``: no host synchronisation, so the call can be captured in a graph."""
+    from pagedkv.kernels import paged_attention_decode, paged_prefill_attention
+
+    if meta.is_decode_only:
+        return paged_attention_decode(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
+            version=meta.decode_version, validate=False,
+        )
+    return paged_prefill_attention(
+        query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        max_query_len=meta.max_query_len, validate=False,
+    )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D] (transformers' layout: batch 1, all the step's tokens)
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``"pagedkv"`` in transformers' ``AttentionInterface``.
+
+    Writes the layer's new K/V into its paged cache, then attends; returns ``([1, T, Hq, D], None)`` as
+    transformers' attention functions do. Without ``pagedkv_metadata`` in ``kwargs`` (the model called by
+    anything but the engine, e.g. ``model.generate``) it falls back to transformers' SDPA, so a model set to
+    ``"pagedkv"`` still works everywhere. Mirrors ``FlashAttentionImpl.forward``.
+    """
+    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"the pagedkv attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    key_cache, value_cache = meta.kv_caches[module.layer_idx]
+    scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    if meta.backend == "triton":
+        from pagedkv.kernels import reshape_and_cache
+
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
+        out = triton_paged_attention(q, key_cache, value_cache, meta, scale)
+    else:
+        write_kv_torch(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch_paged_attention(q, key_cache, value_cache, meta, scale)
+    return out[None], None  # [1, T, Hq, D]
+
+
+def register_pagedkv_attention() -> None:
+    """Register :func:`paged_attention_forward` as ``"pagedkv"`` in transformers' ``AttentionInterface``
+    (idempotent). No mask function is registered for it, so transformers builds no attention mask
+    (``masking_utils._preprocess_mask_arguments`` exits early): the block tables and ``seq_lens`` are the mask.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

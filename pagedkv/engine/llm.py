@@ -1,0 +1,448 @@
+"""``LLM``: the offline serving engine. Prompts in, completions out, the lab's scheduler and paged cache between.
+
+One engine step is lesson 4's loop with a real model in it:
+
+    scheduler_output = scheduler.schedule()                 # who runs, how many tokens, which blocks move
+    req_ids, logits = runner.execute_model(scheduler_output, token_ids)   # one forward over all of them
+    scheduler.update_from_output(scheduler_output, sampler(logits))       # keep tokens, finish requests
+
+The scheduler, KV cache manager and block pool are the lesson 2-4 classes, unchanged. Mirrors vLLM 0.26's
+``LLM`` (``vllm/entrypoints/llm.py``: ``generate``) and ``EngineCore.step`` (``vllm/v1/engine/core.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
+from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.sampler import Sampler, make_generator
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.kv_cache_manager import KVCacheManager, cdiv
+from pagedkv.request import Request, RequestStatus
+from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
+
+#: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+#: Without ``pagedkv.sizing``, or on a CPU, the default pool holds at most this many bytes of KV.
+CPU_KV_CACHE_BYTES = 128 * 2**20
+
+
+def check_architecture(config: Any) -> None:
+    """``ValueError`` naming the supported architectures unless ``config`` is one of them."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        archs = getattr(config, "architectures", None) or [model_type]
+        raise ValueError(
+            f"unsupported architecture {', '.join(map(str, archs))} (model_type={model_type!r}): the engine serves "
+            f"{', '.join(SUPPORTED_ARCHITECTURES.values())}"
+        )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class _Sequence:
+    """The engine's record of one sequence (one of a prompt's ``n`` completions)."""
+
+    request: Request
+    prompt_index: int
+    index: int  # completion index within the prompt
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    num_cached_tokens: int | None = None  # prefix-cache hit length at first admission
+    children: list[tuple[str, SamplingParams]] = field(default_factory=list)  # to fork after the first sample
+
+
+class LLM:
+    """An offline engine serving a transformers Llama, Qwen2 or Mistral model on the lab's paged KV cache.
+
+    ``model``: a Hugging Face id, a local ``save_pretrained`` folder, or a loaded model (used as is; the
+    engine never changes its attention setting outside its own forward calls). ``num_gpu_blocks=None``
+    sizes the pool (``pagedkv.sizing.profile`` when present, capped on a CPU). ``attn_backend``: ``"torch"``
+    (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA only; the CUDA default, decode
+    steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the swap space for
+    ``preemption_mode="swap"`` (default: as many blocks as the GPU pool). Mirrors ``vllm.LLM``.
+    """
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module,
+        *,
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.92,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        attn_backend: str | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+        num_cpu_blocks: int | None = None,
+        enforce_eager: bool = False,
+        tokenizer: Any = None,
+    ) -> None:
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs), ("seed", seed)):
+            if not _is_int(value) or value < (0 if name == "seed" else 1):
+                raise ValueError(f"{name} must be an int >= {0 if name == 'seed' else 1}, got {value!r}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if attn_backend is not None and attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend must be one of {BACKENDS} or None, got {attn_backend!r}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        dev = torch.device(device) if device is not None else None
+        if attn_backend == "triton" and not (torch.cuda.is_available() and (dev is None or dev.type == "cuda")):
+            raise ValueError(
+                "attn_backend='triton' needs a CUDA GPU (the lab's kernels run natively there; on a CPU use "
+                "attn_backend='torch', which reads the same paged cache)"
+            )
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+        register_pagedkv_attention()
+        self.model, self.tokenizer = self._load(model, torch_dtype, dev, tokenizer)
+        config = self.model.config
+        self.device = next(self.model.parameters()).device
+        self.attn_backend = attn_backend or ("triton" if self.device.type == "cuda" else "torch")
+        if self.attn_backend == "triton" and self.device.type != "cuda":
+            raise ValueError("attn_backend='triton' needs the model on a CUDA device")
+
+        limit = getattr(config, "max_position_embeddings", None) or 2048
+        window = getattr(config, "sliding_window", None)
+        if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+            limit = min(limit, window)  # no sliding-window attention here: stay inside the window
+        if max_model_len is None:
+            max_model_len = limit
+        if not _is_int(max_model_len) or not 1 < max_model_len <= limit:
+            raise ValueError(f"max_model_len must be an int in 2..{limit} for this model, got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        if max_num_batched_tokens is None:  # vLLM 0.26's LLM-class defaults (EngineArgs._set_default_args)
+            max_num_batched_tokens = 8192 if self.device.type == "cuda" else 4096
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.memory_profile = None
+        if num_gpu_blocks is None:
+            num_gpu_blocks = self._size_pool(gpu_memory_utilization)
+        elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
+        self.num_gpu_blocks = num_gpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
+            preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
+        )
+        self.runner = ModelRunner(
+            self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
+            num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
+            use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
+        )
+        self.sampler = Sampler(make_generator(seed, self.device))
+        self.eos_token_ids = self._eos_token_ids()
+        self._next_id = 0
+        self.stats: dict[str, int] = {"steps": 0, "forward_tokens": 0}
+
+    # ------------------------------------------------------------------------------------------------
+    # Set-up
+    # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _load(model: Any, dtype: torch.dtype | None, device: torch.device | None, tokenizer: Any):
+        """The model (checked to be a supported architecture before any weight is loaded) and a tokenizer
+        (``None`` when there is none)."""
+        if isinstance(model, torch.nn.Module):
+            if not hasattr(model, "config"):
+                raise ValueError("model must be a transformers model (with a .config), an id or a path")
+            check_architecture(model.config)
+            if dtype is not None or device is not None:
+                model = model.to(device=device, dtype=dtype)
+            return model.eval(), tokenizer
+        if not isinstance(model, str):
+            raise ValueError(f"model must be a Hugging Face id, a local path or a loaded model, got {type(model)}")
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        check_architecture(AutoConfig.from_pretrained(model))
+        loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or "auto")
+        if device is not None:
+            loaded = loaded.to(device)
+        elif torch.cuda.is_available():
+            loaded = loaded.to("cuda")
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model)
+            except (OSError, ValueError):
+                tokenizer = None
+        return loaded.eval(), tokenizer
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: Any = None
+        gen = getattr(self.model, "generation_config", None)
+        if gen is not None:
+            ids = gen.eos_token_id
+        if ids is None:
+            ids = getattr(self.model.config, "eos_token_id", None)
+        if ids is None:
+            return frozenset()
+        return frozenset([ids] if _is_int(ids) else ids)
+
+    def _size_pool(self, gpu_memory_utilization: float) -> int:
+        """Blocks for the pool: ``pagedkv.sizing.profile`` when it exists (its start-up lines printed), else
+        what ``CPU_KV_CACHE_BYTES`` holds; on a CPU never more than that. Prints
+        ``# GPU blocks: N, concurrency for L-token requests: X``."""
+        config = self.model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        elem = torch.tensor([], dtype=dtype).element_size()
+        block_bytes = 2 * self.block_size * kv_heads * head_dim * elem * config.num_hidden_layers
+        cap = max(2, CPU_KV_CACHE_BYTES // block_bytes)
+        blocks = None
+        try:
+            from pagedkv.sizing import profile  # lesson 5
+        except ImportError:
+            profile = None
+        if profile is not None and self.device.type == "cuda":
+            self.memory_profile = profile(
+                self.model, self.max_num_batched_tokens, block_size=self.block_size, kv_cache_dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization, device=self.device,
+            )
+            print(str(self.memory_profile))
+            blocks = int(self.memory_profile.num_gpu_blocks)
+        if blocks is None or self.device.type != "cuda":
+            blocks = cap if blocks is None else min(blocks, cap)
+        concurrency = (blocks - 1) * self.block_size / self.max_model_len
+        print(f"# GPU blocks: {blocks}, concurrency for {self.max_model_len}-token requests: {concurrency:.2f}x")
+        return blocks
+
+    # ------------------------------------------------------------------------------------------------
+    # Requests
+    # ------------------------------------------------------------------------------------------------
+    def _tokenize(self, prompts: Any) -> tuple[list[list[int]], list[str | None]]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and all(map(_is_int, prompts))):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+            raise ValueError("prompts must be a string, a list of token ids, or a list of those")
+        ids: list[list[int]] = []
+        texts: list[str | None] = []
+        vocab = self.model.config.vocab_size
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; this model has none: pass token ids")
+                tokens = list(self.tokenizer(p)["input_ids"])
+                texts.append(p)
+            elif isinstance(p, Sequence) and all(map(_is_int, p)):
+                tokens = list(p)
+                texts.append(None)
+            else:
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+            if not tokens:
+                raise ValueError(f"prompt {i} is empty")
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{vocab - 1}")
+            ids.append(tokens)
+        return ids, texts
+
+    def _check_fits(self, i: int, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt {i} has {prompt_len} tokens: it must be shorter than max_model_len={self.max_model_len} "
+                "(room for at least one new token)"
+            )
+        need = cdiv(prompt_len + max_tokens, self.block_size)
+        if need > self.num_gpu_blocks - 1:
+            raise ValueError(
+                f"the KV pool is too small for prompt {i}: {prompt_len} prompt tokens + {max_tokens} new tokens need "
+                f"{need} blocks of {self.block_size}, the pool has {self.num_gpu_blocks - 1} usable blocks; "
+                f"use num_gpu_blocks >= {need + 1} (block 0 is the null block) or a smaller max_tokens"
+            )
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts`` (strings need a tokenizer; token-id lists always work).
+        ``sampling_params``: one for all prompts or one per prompt. Returns one :class:`RequestOutput` per
+        prompt, in prompt order, each with ``n`` completions. Every input is checked before anything is queued
+        (``ValueError``, the engine unchanged); if generation is interrupted its requests are aborted, so the
+        engine stays usable. Mirrors ``LLM.generate`` (``vllm/entrypoints/llm.py``)."""
+        prompt_ids, texts = self._tokenize(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_ids)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_ids) or not all(isinstance(p, SamplingParams) for p in params_list):
+                raise ValueError(f"give one SamplingParams, or one per prompt ({len(prompt_ids)})")
+        clamped = []
+        for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
+            max_tokens = min(params.max_tokens, self.max_model_len - len(ids))  # vLLM clamps the same way
+            self._check_fits(i, len(ids), max_tokens)
+            clamped.append(max_tokens)
+
+        seqs: dict[str, _Sequence] = {}
+        for i, (ids, params, max_tokens) in enumerate(zip(prompt_ids, params_list, clamped, strict=True)):
+            base = f"{self._next_id + i}"
+            child_params = [params.for_child(j) for j in range(params.n)] if params.n > 1 else [params]
+            seq = self._new_sequence(base, ids, child_params[0], max_tokens, i, 0)
+            seq.children = [(f"{base}-{j}", child_params[j]) for j in range(1, params.n)]
+            seqs[base] = seq
+        self._next_id += len(prompt_ids)
+        for seq in seqs.values():
+            self.scheduler.add_request(seq.request)
+
+        done: dict[str, _Sequence] = {}
+        remaining = sum(p.n for p in params_list)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompt_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        left = {i: p.n for i, p in enumerate(params_list)}
+        try:
+            while remaining:
+                for rid in self.step(seqs):
+                    done[rid] = seqs.pop(rid)
+                    remaining -= 1
+                    left[done[rid].prompt_index] -= 1
+                    if left[done[rid].prompt_index] == 0:
+                        bar.update(1)
+        except BaseException:
+            self.scheduler.finish_requests(list(seqs))  # abort: free their blocks, keep the engine usable
+            raise
+        finally:
+            bar.close()
+        return self._outputs(done, prompt_ids, texts)
+
+    def _new_sequence(
+        self, rid: str, prompt: list[int], params: SamplingParams, max_tokens: int, prompt_index: int, index: int
+    ) -> _Sequence:
+        request = Request(rid, prompt, max_tokens)
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= self.eos_token_ids
+        gen = make_generator(params.seed, self.device) if params.seed is not None else None
+        return _Sequence(request, prompt_index, index, params, gen, frozenset(stop))
+
+    # ------------------------------------------------------------------------------------------------
+    # One step
+    # ------------------------------------------------------------------------------------------------
+    def step(self, seqs: dict[str, _Sequence]) -> list[str]:
+        """One engine step: schedule, run the model, sample, fork new children, update the scheduler, stop
+        sequences that sampled a stop token. Returns the ids of the sequences that finished.
+        Mirrors ``EngineCore.step`` (``vllm/v1/engine/core.py``)."""
+        so = self.scheduler.schedule()
+        for new in so.scheduled_new_reqs:
+            seq = seqs.get(new.req_id)
+            if seq is not None and seq.num_cached_tokens is None:
+                seq.num_cached_tokens = new.num_computed_tokens
+        token_ids = {rid: self.scheduler.requests[rid].all_token_ids for rid in so.num_scheduled_tokens}
+        req_ids, logits = self.runner.execute_model(so, token_ids)
+        self.stats["steps"] += 1
+        self.stats["forward_tokens"] += so.total_num_scheduled_tokens
+
+        rows, params, gens = [], [], []
+        for row, rid in enumerate(req_ids):
+            seq = seqs[rid]
+            rows.append(row)
+            params.append(seq.params)
+            gens.append(seq.generator)
+            for _cid, cparams in seq.children:  # n > 1: the children's first tokens, from the same logits
+                rows.append(row)
+                params.append(cparams)
+                gens.append(make_generator(cparams.seed, self.device) if cparams.seed is not None else None)
+        tokens = self.sampler(logits[rows] if rows else logits, params, gens)
+
+        sampled: dict[str, int] = {}
+        k = 0
+        for rid in req_ids:
+            seq = seqs[rid]
+            sampled[rid] = tokens[k]
+            k += 1
+            if seq.children:
+                for (cid, cparams), gen in zip(seq.children, gens[k : k + len(seq.children)], strict=True):
+                    self._fork(seq, cid, cparams, gen, tokens[k], seqs)
+                    k += 1
+                seq.children = []
+        self.scheduler.update_from_output(so, sampled)
+        for rid, token in sampled.items():
+            request = seqs[rid].request
+            if not request.is_finished() and token in seqs[rid].stop_ids:
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+        return [rid for rid, seq in seqs.items() if seq.request.is_finished()]
+
+    def _fork(self, parent: _Sequence, cid: str, params: SamplingParams, gen: torch.Generator | None, token: int,
+              seqs: dict[str, _Sequence]) -> None:
+        """Start child ``cid`` of ``parent`` (which just sampled its first token from the prompt's logits) with
+        its own first ``token``: it shares all the parent's blocks (``Scheduler.fork``; copy-on-write when it
+        writes into the shared last block). When ``max_num_seqs`` sequences already run, it is queued as a new
+        request instead and finds the prompt's full blocks in the prefix cache."""
+        req = parent.request
+        child = self._new_sequence(cid, req.prompt_token_ids, params, req.max_tokens, parent.prompt_index,
+                                   int(cid.rsplit("-", 1)[1]))
+        child.generator = gen
+        child.num_cached_tokens = parent.num_cached_tokens
+        seqs[cid] = child
+        try:
+            self.scheduler.fork(req, child.request)
+            forked = True
+        except ValueError:
+            forked = False
+        child.request.append_output_token_ids(token)
+        reason = None
+        if token in child.stop_ids:
+            reason = RequestStatus.FINISHED_STOPPED
+        elif child.request.num_output_tokens >= child.request.max_tokens:
+            reason = RequestStatus.FINISHED_LENGTH_CAPPED
+        if forked:
+            if reason is not None:
+                self.scheduler.finish_requests(cid, reason)
+        elif reason is not None:
+            child.request.status = reason
+        else:
+            self.scheduler.add_request(child.request)
+
+    def _outputs(
+        self, done: dict[str, _Sequence], prompt_ids: list[list[int]], texts: list[str | None]
+    ) -> list[RequestOutput]:
+        outputs = [
+            RequestOutput(request_id=str(self._next_id - len(prompt_ids) + i), prompt=texts[i],
+                          prompt_token_ids=prompt_ids[i])
+            for i in range(len(prompt_ids))
+        ]
+        for seq in sorted(done.values(), key=lambda s: (s.prompt_index, s.index)):
+            req = seq.request
+            out = outputs[seq.prompt_index]
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            out.outputs.append(CompletionOutput(seq.index, text, list(req.output_token_ids),
+                                                req.get_finished_reason(), req.num_preemptions))
+            out.num_preemptions += req.num_preemptions
+            if seq.index == 0:
+                out.num_cached_tokens = seq.num_cached_tokens or 0
+        return outputs
+
+    def __repr__(self) -> str:
+        return (
+            f"LLM({type(self.model).__name__}, backend={self.attn_backend}, blocks={self.num_gpu_blocks}x"
+            f"{self.block_size}, device={self.device})"
+        )
+
