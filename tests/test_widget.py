@@ -16,7 +16,8 @@ import pytest
 
 from pagedkv import EventTrace, KVCacheManager, Request
 from pagedkv.widgets import BlockTableWidget, TraceRecorder, block_owners, frame_to_svg, view_frame, view_frames
-from pagedkv.widgets.frames import ROLES, decode_views, grid_shape, request_colours
+from pagedkv.widgets.filmstrip import filmstrip_svg, key_frames
+from pagedkv.widgets.frames import ROLES, decode_views, grid_shape, request_colours, roles_used
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_NOTEBOOK = REPO / "tests" / "browser" / "block_table_demo.ipynb"
@@ -361,6 +362,9 @@ def test_widget_state(rec: TraceRecorder) -> None:
         ({"fps": 0}, "fps must be > 0"),
         ({"frame": 1.5}, "frame must be"),
         ({"static_frame": -99}, "static_frame must be"),
+        ({"static_frame": "last"}, "static_frame must be"),
+        ({"static_max_frames": 0}, "static_max_frames must be"),
+        ({"static_max_frames": True}, "static_max_frames must be"),
     ],
 )
 def test_widget_rejects_bad_arguments(rec: TraceRecorder, kwargs: dict[str, Any], message: str) -> None:
@@ -386,10 +390,12 @@ def test_display_publishes_widget_and_static_picture(rec: TraceRecorder, monkeyp
     assert len(published) == 2
     (view, _), (static, meta) = published
     assert view["application/vnd.jupyter.widget-view+json"]["model_id"] == w.model_id
-    assert static["image/svg+xml"].startswith("<svg") and static["image/svg+xml"] == w.to_svg(len(rec.frames) - 1)
-    assert static["text/html"].startswith('<div class="pkv-static-fallback"')
+    # By default the picture is the filmstrip of the run's key frames.
+    assert static["image/svg+xml"].startswith("<svg") and static["image/svg+xml"] == w.filmstrip_svg()
+    picks = w.key_frames()
+    assert static["text/html"].startswith(f'<div class="pkv-static-fallback" data-frame-index="{picks[0][0]},')
     assert _svg_in_html(static["text/html"]) == [static["image/svg+xml"]], "the HTML shows it as an <img>"
-    assert static["text/plain"].startswith(f"[block table, frame {len(rec.frames) - 1} of {len(rec.frames) - 1}:")
+    assert static["text/plain"].startswith(f"[block table, {len(rec.frames)} frames; key frames: allocation (frame")
     n = len(rec.frames)
     assert view["text/plain"] == f"BlockTableWidget({n} frames, showing frame {w.frame}; run this cell to animate it)"
     assert meta == {"pagedkv": {"static_fallback": True}}
@@ -400,8 +406,9 @@ def test_display_publishes_widget_and_static_picture(rec: TraceRecorder, monkeyp
     BlockTableWidget.from_recorder(rec, frame=0, static_frame=3)._ipython_display_()
     assert "frame 3 of" in published[1][0]["image/svg+xml"], "static_frame picks the picture's frame"
     published.clear()
-    BlockTableWidget.from_recorder(rec, frame=0)._ipython_display_()
-    assert f"frame {n - 1} of" in published[1][0]["image/svg+xml"], "by default the picture is the last frame"
+    BlockTableWidget.from_recorder(rec, frame=0, static_frame=-1)._ipython_display_()
+    assert f"frame {n - 1} of" in published[1][0]["image/svg+xml"], "static_frame=-1: the last frame"
+    assert published[1][0]["text/plain"].startswith(f"[block table, frame {n - 1} of {n - 1}:")
 
 
 def _svg_in_html(html: str) -> list[str]:
@@ -451,7 +458,9 @@ def test_nbconvert_html_export_shows_the_picture(tmp_path: Path) -> None:
     html, _ = HTMLExporter().from_notebook_node(nb)
     svgs = _svg_in_html(html)
     assert len(svgs) == 1, "the export should show the static picture exactly once"
-    assert 'class="pkv-static-svg"' in svgs[0] and "frame 15 of 15" in svgs[0]
+    assert 'class="pkv-static-svg"' in svgs[0] and "key frames of 16" in svgs[0]
+    picks = key_frames(view_frames(demo_trace().frames))  # the notebook records the same trace
+    assert svgs[0].count("<svg ") == 1 + len(picks), "one panel per key frame"
     assert '<div class="pkv-static-fallback"' in html
     (tmp_path / "export.html").write_text(html)
 
@@ -484,3 +493,152 @@ def test_javascript_decoder_matches_python(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     decoded = json.loads(proc.stdout)
     assert [{k: v for k, v in f.items() if k != "full"} for f in decoded] == json.loads(json.dumps(w.views))
+
+
+# --------------------------------------------------------------------------------------------------
+# The filmstrip: the static picture shows the run's key frames, not its (often empty) last frame
+# --------------------------------------------------------------------------------------------------
+def _kinds_at(views: list[dict[str, Any]], picks: list[tuple[int, str]]) -> dict[str, str | None]:
+    return {label: views[k]["kind"] for k, label in picks}
+
+
+def test_key_frames_of_a_fork_with_copy_on_write(rec: TraceRecorder) -> None:
+    views = view_frames(rec.frames)
+    picks = key_frames(views)
+    assert [k for k, _ in picks] == sorted(k for k, _ in picks), "time order"
+    kinds = _kinds_at(views, picks)
+    assert kinds["allocation"] == "allocate" and kinds["sharing"] == "fork" and kinds["copy-on-write"] == "copy"
+    assert picks[0][0] == find(rec.frames, "allocate"), "the first allocation"
+    assert dict((label, k) for k, label in picks)["copy-on-write"] == find(rec.frames, "copy")
+    peak = max(v["stats"]["held"] for v in views)
+    assert any(views[k]["stats"]["held"] == peak for k, _ in picks), "the fullest pool is shown"
+    assert len(picks) <= 6 and all(k > 0 for k, _ in picks), "never the empty initial pool"
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_key_frames_of_a_preempting_scheduler(mode: str) -> None:
+    frames = scheduler_trace(mode).frames
+    views = view_frames(frames)
+    assert views[-1]["stats"]["held"] == 0, "this trace ends with an empty pool: the old picture showed nothing"
+    picks = key_frames(views)
+    kinds = _kinds_at(views, picks)
+    labels = [label for _, label in picks]
+    assert len(views) - 1 not in [k for k, _ in picks]
+    if mode == "swap":
+        assert kinds["preemption (swap out)"] == "swap_out" and kinds["swap in"] == "swap_in"
+        assert views[dict((lb, k) for k, lb in picks)["preemption (swap out)"]]["cpu_hl"], "the CPU blocks are lit"
+    else:
+        assert kinds["preemption"] == "preempt" and "swap in" not in labels
+    assert labels[0] == "allocation" and "fullest pool" in labels
+
+
+def test_key_frames_cap_keeps_the_most_telling(rec: TraceRecorder) -> None:
+    views = view_frames(rec.frames)
+    assert [label for _, label in key_frames(views, 3)] == ["allocation", "sharing", "copy-on-write"]
+    assert key_frames(views, 1) == [(find(rec.frames, "allocate"), "allocation")]
+    swap = view_frames(scheduler_trace("swap").frames)
+    labels = [label for _, label in key_frames(swap, 4)]
+    assert labels == ["allocation", "fullest pool", "preemption (swap out)", "swap in"]
+
+
+def test_key_frames_of_a_trace_without_events() -> None:
+    m = KVCacheManager(num_blocks=4, block_size=2)
+    views = view_frames(TraceRecorder(m).frames)
+    assert key_frames(views) == [(0, "start")]
+    a = Request("A", [1, 2, 3])
+    rec = TraceRecorder(m, kinds={"cache"})  # records no allocation; its last frame holds blocks
+    m.allocate_slots(a, 3)
+    views = view_frames(rec.frames)
+    assert [label for _, label in key_frames(views)] == ["fullest pool"]
+    with pytest.raises(ValueError, match="max_frames"):
+        key_frames(views, 0)
+    with pytest.raises(ValueError, match="empty"):
+        key_frames([])
+
+
+def test_filmstrip_svg_has_a_panel_per_key_frame_and_unique_ids() -> None:
+    rec = scheduler_trace("swap")
+    views = view_frames(rec.frames)
+    picks = key_frames(views)
+    ids = [r for r in ("r0", "r1", "r2")]
+    svg = filmstrip_svg(views, request_colours(ids), picks, title="swap", request_ids=ids,
+                        legend_roles=roles_used(views))  # fmt: skip
+    root = ET.fromstring(svg)  # well-formed
+    ns = "{http://www.w3.org/2000/svg}"
+    panels = root.findall(f"{ns}svg")
+    assert len(panels) == len(picks)
+    for (k, label), panel in zip(picks, panels, strict=True):
+        text = ET.tostring(panel, encoding="unicode")
+        assert f"frame {k} of {len(views) - 1}" in text
+        assert f"{label} (frame {k})" in svg
+    all_ids = [el.get("id") for el in root.iter() if el.get("id")]
+    assert len(all_ids) == len(set(all_ids)), "ids repeat: panels would borrow each other's clip paths"
+    for el in root.iter():
+        for attr in ("fill", "clip-path"):
+            ref = el.get(attr) or ""
+            if ref.startswith("url(#"):
+                assert ref[5:-1] in all_ids, f"{attr} points at a missing id: {ref}"
+    assert svg.count("null block") == 1, "one legend for the whole strip"
+    assert "@PKV@" not in svg
+    with pytest.raises(ValueError, match="out of range"):
+        filmstrip_svg(views, request_colours(ids), [(len(views), "x")])
+    with pytest.raises(ValueError, match="empty"):
+        filmstrip_svg(views, request_colours(ids), [])
+
+
+def test_two_pictures_never_share_an_id(rec: TraceRecorder) -> None:
+    """Pictures inlined into one page (VS Code, the classic notebook) must not borrow each other's clip paths."""
+    a, b = frame_to_svg(rec.frames, 3), frame_to_svg(rec.frames, 7)
+    ids_a = set(re.findall(r'id="([^"]+)"', a))
+    ids_b = set(re.findall(r'id="([^"]+)"', b))
+    assert ids_a and ids_b and not ids_a & ids_b
+    assert frame_to_svg(rec.frames, 3) == a, "deterministic"
+
+
+def test_widget_filmstrip_matches_its_frames(rec: TraceRecorder) -> None:
+    w = BlockTableWidget.from_recorder(rec, title="demo", static_max_frames=3)
+    assert w.key_frames() == key_frames(w.views, 3)
+    bundle = w.filmstrip_mimebundle()
+    assert bundle["image/svg+xml"].count("<svg ") == 1 + 3
+    assert _svg_in_html(bundle["text/html"]) == [bundle["image/svg+xml"]]
+    assert "copy-on-write (frame" in bundle["text/plain"]
+    one = BlockTableWidget(rec.frames[:1])
+    assert one.key_frames() == [(0, "start")] and "start (frame 0)" in one.filmstrip_mimebundle()["text/plain"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Beyond JupyterLab: Colab and VS Code load the same bundle through anywidget
+# --------------------------------------------------------------------------------------------------
+def test_bundle_uses_only_anywidgets_portable_api() -> None:
+    """Colab and VS Code run the ES module through anywidget's ``render({model, el})``: the bundle must not
+    import anything or reach for JupyterLab's globals, and may use only the model methods every host has."""
+    js = (STATIC / "block_table.js").read_text()
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", js, flags=re.S)  # comments may name anything
+    assert re.search(r"^\s*import\b|\bimport\(|\brequire\(", code, flags=re.M) is None, "no imports: one file"
+    for name in ("@jupyterlab", "@jupyter-widgets", "jupyterapp", "Jupyter.", "IPython.", "define(", "jp-"):
+        assert name not in code, f"the bundle uses {name!r}, which only JupyterLab provides"
+    assert re.search(r"export default \{\s*render\s*\}", code)
+    used = set(re.findall(r"\bmodel\.(\w+)\(", code))
+    assert used <= {"get", "set", "save_changes", "on", "off", "send"}, used
+
+
+def test_colab_gets_its_custom_widget_manager(rec: TraceRecorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In Colab (``google.colab.output`` imported), anywidget enables Colab's custom widget manager and names it
+    in the output's metadata; the widget's display passes that metadata on."""
+    import sys
+    import types
+
+    import IPython.display
+
+    calls: list[str] = []
+    output = types.ModuleType("google.colab.output")
+    output.enable_custom_widget_manager = lambda: calls.append("enabled")  # type: ignore[attr-defined]
+    output._widgets = types.SimpleNamespace(_installed_url="https://ssl.gstatic.com/colaboratory-static/widgets/x")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "google.colab.output", output)
+    published: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    monkeypatch.setattr(IPython.display, "publish_display_data", lambda data, metadata=None: published.append(
+        (data, metadata or {})))  # fmt: skip
+    BlockTableWidget.from_recorder(rec)._ipython_display_()
+    meta = published[0][1]["application/vnd.jupyter.widget-view+json"]
+    assert meta["colab"]["custom_widget_manager"]["url"].startswith("https://")
+    assert calls in (["enabled"], []), calls  # enabled once per process (anywidget caches it)

@@ -26,8 +26,18 @@ and exercises can check them directly (owners, ``ref_cnt``, free-queue order at 
 """
 
 from pagedkv.widgets.block_table import BlockTableWidget
+from pagedkv.widgets.filmstrip import filmstrip_svg, key_frames
 from pagedkv.widgets.frames import block_owners, view_frame, view_frames
 from pagedkv.widgets.recorder import TraceRecorder
 from pagedkv.widgets.svg import frame_to_svg
 
-__all__ = ["BlockTableWidget", "TraceRecorder", "block_owners", "frame_to_svg", "view_frame", "view_frames"]
+__all__ = [
+    "BlockTableWidget",
+    "TraceRecorder",
+    "block_owners",
+    "filmstrip_svg",
+    "frame_to_svg",
+    "key_frames",
+    "view_frame",
+    "view_frames",
+]

@@ -4,14 +4,16 @@ The animation runs in JavaScript (``static/block_table.js``, loaded by anywidget
 frames once and never sleeps. Play, pause, step, scrub and change the speed in the browser; ``widget.frame``
 follows the view (and setting it from Python moves the view).
 
-When the widget is displayed, a static SVG of one frame (``static_frame``; by default the last, which sums
-the run up) is published as a second output: HTML showing the SVG as an image, plus ``image/svg+xml``. Where
-the live widget renders, its stylesheet hides that picture. Where it cannot, the picture is what the reader
-sees: an nbconvert HTML export, GitHub's preview, a front end without widgets, and JupyterLab itself on a
-notebook it does not trust yet (a fresh clone: Lab will not run widget code from untrusted outputs, and its
-HTML sanitiser strips inline SVG but keeps an ``<img>`` data URI). It is a separate output rather than a
-second type in the widget's own bundle because nbconvert always chooses the widget type when the notebook
-stores widget state (nbclient and ``nbconvert --execute`` store it by default), and would drop the picture.
+When the widget is displayed, a static SVG is published as a second output: by default a filmstrip of the
+run's key frames (``filmstrip.key_frames``: allocation, sharing, copy-on-write, the fullest pool, preemption,
+swap; the last frame alone is often an empty pool), or one frame (``static_frame=k``). It goes out as HTML
+showing the SVG as an image, plus ``image/svg+xml``. Where the live widget renders, its stylesheet hides that
+picture. Where it cannot, the picture is what the reader sees: an nbconvert HTML export, GitHub's preview, a
+front end without widgets, and JupyterLab itself on a notebook it does not trust yet (a fresh clone: Lab will
+not run widget code from untrusted outputs, and its HTML sanitiser strips inline SVG but keeps an ``<img>``
+data URI). It is a separate output rather than a second type in the widget's own bundle because nbconvert
+always chooses the widget type when the notebook stores widget state (nbclient and ``nbconvert --execute``
+store it by default), and would drop the picture.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from pagedkv.widgets.filmstrip import DEFAULT_MAX_FRAMES, filmstrip_svg, key_frames
 from pagedkv.widgets.frames import ROLES, encode_views, request_colours, request_order, roles_used, view_frames
 from pagedkv.widgets.svg import render_view_svg
 
@@ -41,8 +44,9 @@ class BlockTableWidget(anywidget.AnyWidget):
     ``frame``: the frame shown first (default ``-1``: the last one, so the picture summarises the run;
     pressing play from the end starts again at frame 0). ``fps``: frames per second when playing.
     ``loop``: start again after the last frame. ``title``: a heading. ``static``: also publish the
-    static SVG picture when displayed (default ``True``). ``static_frame``: the frame that picture shows
-    (default ``-1``, the last; an empty pool at frame 0 would tell an exported notebook's reader nothing).
+    static SVG picture when displayed (default ``True``). ``static_frame``: what that picture shows: ``"keyframes"``
+    (the default: a filmstrip of up to ``static_max_frames`` key frames, see ``filmstrip.key_frames``) or one
+    frame's index (``-1``: the last).
     """
 
     _esm = STATIC / "block_table.js"
@@ -68,7 +72,8 @@ class BlockTableWidget(anywidget.AnyWidget):
         loop: bool = False,
         title: str = "",
         static: bool = True,
-        static_frame: int = -1,
+        static_frame: int | str = "keyframes",
+        static_max_frames: int = DEFAULT_MAX_FRAMES,
         **kwargs: Any,
     ) -> None:
         raw = getattr(frames, "frames", frames)  # a TraceRecorder, or the frames themselves
@@ -76,14 +81,19 @@ class BlockTableWidget(anywidget.AnyWidget):
         n = len(views)
         if not isinstance(frame, int) or not -n <= frame < n:
             raise ValueError(f"frame must be an int in [{-n}, {n - 1}] for {n} frames, got {frame!r}")
-        if not isinstance(static_frame, int) or not -n <= static_frame < n:
-            raise ValueError(f"static_frame must be an int in [{-n}, {n - 1}] for {n} frames, got {static_frame!r}")
+        if static_frame != "keyframes" and (not isinstance(static_frame, int) or not -n <= static_frame < n):
+            raise ValueError(
+                f'static_frame must be "keyframes" or an int in [{-n}, {n - 1}] for {n} frames, got {static_frame!r}'
+            )
+        if not isinstance(static_max_frames, int) or isinstance(static_max_frames, bool) or static_max_frames < 1:
+            raise ValueError(f"static_max_frames must be an int >= 1, got {static_max_frames!r}")
         if not fps > 0:
             raise ValueError(f"fps must be > 0, got {fps!r}")
         ids = request_order(raw)
         self.views = views  # the decoded views, for the static pictures
         self._static = static
-        self._static_frame = static_frame % n
+        self._static_frame: int | str = static_frame if isinstance(static_frame, str) else static_frame % n
+        self._static_max_frames = static_max_frames
         super().__init__(
             frames=encode_views(views),
             frame=frame % n,
@@ -148,6 +158,33 @@ class BlockTableWidget(anywidget.AnyWidget):
             "text/plain": f"[block table, frame {k} of {len(self.frames) - 1}: {self.views[k]['caption']}]",
         }
 
+    def key_frames(self, max_frames: int | None = None) -> list[tuple[int, str]]:
+        """The frames the filmstrip shows, ``[(index, label), ...]`` in time order (``filmstrip.key_frames``)."""
+        return key_frames(self.views, self._static_max_frames if max_frames is None else max_frames)
+
+    def filmstrip_svg(self, max_frames: int | None = None) -> str:
+        """The key frames (``key_frames``) as one SVG strip of numbered panels, drawn as the widget draws them."""
+        return filmstrip_svg(
+            self.views, self.colors, self.key_frames(max_frames), title=self.title, request_ids=self.request_ids,
+            legend_roles=self.legend_roles,
+        )  # fmt: skip
+
+    def filmstrip_mimebundle(self, max_frames: int | None = None) -> dict[str, str]:
+        """The filmstrip as an output, the same three ways as ``static_mimebundle``."""
+        picks = self.key_frames(max_frames)
+        svg = self.filmstrip_svg(max_frames)
+        data_uri = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode("ascii")
+        moments = ", ".join(f"{label} (frame {k})" for k, label in picks)
+        return {
+            "text/html": (
+                f'<div class="pkv-static-fallback" data-frame-index="{",".join(str(k) for k, _ in picks)}">'
+                f'<img src="{data_uri}" alt="block table, key frames: {html.escape(moments, quote=True)}" '
+                'style="max-width: 100%"/></div>'
+            ),
+            "image/svg+xml": svg,
+            "text/plain": f"[block table, {len(self.frames)} frames; key frames: {moments}]",
+        }
+
     def __repr__(self) -> str:
         n = len(self.frames)
         return f"BlockTableWidget({n} frames, showing frame {self.frame}; run this cell to animate it)"
@@ -158,4 +195,6 @@ class BlockTableWidget(anywidget.AnyWidget):
         data, metadata = self._repr_mimebundle_()
         publish_display_data(data, metadata)
         if self._static:
-            publish_display_data(self.static_mimebundle(self._static_frame), {"pagedkv": {"static_fallback": True}})
+            k = self._static_frame
+            bundle = self.filmstrip_mimebundle() if k == "keyframes" else self.static_mimebundle(int(k))
+            publish_display_data(bundle, {"pagedkv": {"static_fallback": True}})

@@ -17,6 +17,7 @@ them; a legend.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
@@ -41,6 +42,14 @@ CACHE_MARK = "#343a40"
 NULL_BG = "#868e96"
 ORPHAN_BG = "#ced4da"
 FQ_HEAD, FQ_TAIL = 30, 10  # free-queue entries drawn at the head and tail of a long queue
+#: Stands for the SVG's id prefix while it is drawn; ``unique_ids`` replaces it by one derived from the content,
+#: so that several pictures inlined in one page (VS Code, the classic notebook, a filmstrip) never share an id.
+ID = "@PKV@"
+
+
+def unique_ids(svg: str) -> str:
+    """Replace the ``ID`` placeholder by ``pkv`` + a hash of the picture (deterministic, distinct per picture)."""
+    return svg.replace(ID, "pkv" + hashlib.sha1(svg.encode()).hexdigest()[:8])
 
 
 def _t(x: float, y: float, text: Any, size: float = 12, *, fill: str = INK, weight: str = "normal",
@@ -67,7 +76,7 @@ class _Canvas:
 
     def clip(self, x: float, y: float, w: float, h: float, rx: float) -> str:
         self._clip += 1
-        cid = f"pkvc{self._clip}"
+        cid = f"{ID}c{self._clip}"
         rect = f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="{rx:.1f}"/>'
         self.defs.append(f'<clipPath id="{cid}">{rect}</clipPath>')
         return cid
@@ -80,7 +89,7 @@ def _block(c: _Canvas, x: float, y: float, s: float, *, owners: list[str], ref: 
     rx = max(2.0, s * 0.12)
     edge = FREE_EDGE
     if null:
-        c.add(f'<rect x="{x:.1f}" y="{y:.1f}" width="{s}" height="{s}" rx="{rx:.1f}" fill="url(#pkv-hatch)" '
+        c.add(f'<rect x="{x:.1f}" y="{y:.1f}" width="{s}" height="{s}" rx="{rx:.1f}" fill="url(#{ID}hatch)" '
               f'stroke="{NULL_BG}"/>')  # fmt: skip
     elif owners:
         cid = c.clip(x, y, s, s, rx)
@@ -154,8 +163,9 @@ def _as_view(frame: Mapping[str, Any], index: int) -> dict[str, Any]:
 
 def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *, title: str = "",
                     total: int | None = None, legend_roles: Sequence[str] | None = None,
-                    request_ids: Sequence[str] | None = None) -> str:  # fmt: skip
-    """The SVG of one view (``frames.view_frame``); ``colours`` maps request id → [background, text]."""
+                    request_ids: Sequence[str] | None = None, legend: bool = True) -> str:  # fmt: skip
+    """The SVG of one view (``frames.view_frame``); ``colours`` maps request id → [background, text].
+    ``legend=False`` leaves the legend out (a filmstrip draws one for all its panels)."""
     c = _Canvas()
     n = view["num_blocks"]
     cols, cell = view.get("grid") or (10, 40)
@@ -293,7 +303,17 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
                    show_id=False, label=str(bid))  # fmt: skip
         y += (-(-cpu["num_blocks"] // per_row)) * (cs + 4) + 12
 
-    # Legend.
+    if legend:
+        y = draw_legend(c, y, width, colours, request_ids, legend_roles)
+    else:
+        y += pad
+    return _document(c, width, int(y), f"{title or 'block table'}: {view.get('caption', '')}")
+
+
+def draw_legend(c: _Canvas, y: float, width: float, colours: Mapping[str, list[str]],
+                request_ids: Sequence[str] | None, legend_roles: Sequence[str] | None,
+                pad: float = 16) -> float:  # fmt: skip
+    """The legend (requests, block kinds, highlight roles) below ``y``, across ``width``; returns the new ``y``."""
     y += 8
     c.add(f'<line x1="{pad}" y1="{y}" x2="{width - pad}" y2="{y}" stroke="#dee2e6"/>')
     y += 10
@@ -336,20 +356,21 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
               f'stroke-width="3"/>')  # fmt: skip
         c.add(_t(x + 24, y + 13, text, 11))
         x += w
-    y += 24 + pad
+    return y + 24 + pad
 
-    height = int(y)
+
+def _document(c: _Canvas, width: float, height: int, label: str) -> str:
+    """Wrap the canvas into a standalone SVG document (with its defs, ids made unique)."""
     defs = (
-        '<pattern id="pkv-hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+        f'<pattern id="{ID}hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
         f'<rect width="6" height="6" fill="{NULL_BG}"/><line x1="0" y1="0" x2="0" y2="6" stroke="#495057" '
         'stroke-width="3"/></pattern>' + "".join(c.defs)
     )
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="pkv-static-svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="{escape(FONT)}" role="img" '
-        f'aria-label="{escape(title or "block table")}: {escape(str(view.get("caption", "")))}">'
+    return unique_ids(
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="pkv-static-svg" width="{width:g}" height="{height}" '
+        f'viewBox="0 0 {width:g} {height}" font-family="{escape(FONT)}" role="img" aria-label="{escape(label)}">'
         f"<defs>{defs}</defs>"
-        f'<rect width="{width}" height="{height}" fill="#ffffff"/>' + "".join(c.parts) + "</svg>"
+        f'<rect width="{width:g}" height="{height}" fill="#ffffff"/>' + "".join(c.parts) + "</svg>"
     )
 
 
