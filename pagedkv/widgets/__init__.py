@@ -19,7 +19,8 @@ The same works with a ``Scheduler`` (``TraceRecorder(scheduler)``): its frames a
 running queues, the CPU swap pool and the step number, and the widget draws them.
 
 The widget animates in the browser (play / pause, step back and forward, a scrubber, a speed menu; arrow
-keys and space when it has focus) and publishes a static SVG of its current frame next to itself, which is
+keys and space when it has focus) and publishes next to itself a static SVG filmstrip of the run's key
+frames (allocation, sharing, copy-on-write, the fullest pool, preemption, swap: ``key_frames``), which is
 what an nbconvert HTML export or GitHub's preview shows. ``frame_to_svg(rec.frames, k)`` draws any frame on
 its own (wrap it in ``IPython.display.SVG`` to show it). ``TraceRecorder.frames`` is plain data, so tests
 and exercises can check them directly (owners, ``ref_cnt``, free-queue order at frame k).
