@@ -34,7 +34,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}")
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -110,7 +110,7 @@ class BlockPool:
         the map): this is the only place eviction happens. Raises ``ValueError``, and changes nothing,
         when fewer blocks are free. Mirrors ``BlockPool.get_new_blocks``.
         """
-        if not isinstance(num_blocks, int) or num_blocks < 0:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(
@@ -189,9 +189,8 @@ class BlockPool:
         Mirrors ``BlockPool.free_blocks``.
         """
         blocks = list(ordered_blocks)
-        own = self.blocks
         for block in blocks:
-            if block.ref_cnt <= 0 or block.is_null or own[block.block_id] is not block:
+            if not self.owns(block) or block.ref_cnt <= 0 or block.is_null:
                 self._raise_bad_free(blocks, block)
         if len(blocks) > 1:
             counts = Counter(id(b) for b in blocks)
@@ -209,8 +208,15 @@ class BlockPool:
                     self.free_block_queue.append(block)
         self.free_block_queue.appendleft_n(to_head)
 
+    def owns(self, block: object) -> bool:
+        """Whether ``block`` is one of this pool's blocks (not merely one with the same id from another pool)."""
+        if not isinstance(block, KVCacheBlock):
+            return False
+        block_id = block.block_id
+        return 0 <= block_id < self.num_gpu_blocks and self.blocks[block_id] is block
+
     def _raise_bad_free(self, blocks: list[KVCacheBlock], block: KVCacheBlock) -> None:
-        if not (0 <= block.block_id < self.num_gpu_blocks and self.blocks[block.block_id] is block):
+        if not self.owns(block):
             raise ValueError(f"{block!r} does not belong to this pool")
         if block.is_null:
             raise ValueError("cannot free the null block (block 0): it is never handed out")

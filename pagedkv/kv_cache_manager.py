@@ -126,6 +126,31 @@ class KVCacheManager:
         last = min(len(blocks), cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
         return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
 
+    def _check_hits(self, request: Request, hits: list[KVCacheBlock], req_blocks: list[KVCacheBlock]) -> None:
+        """Refuse cache hits that ``get_computed_blocks`` could not have returned: before the request's first
+        allocation only, each a cached block of this pool, each once (touching one block twice would count a
+        single block for two positions of the table)."""
+        rid = request.request_id
+        if req_blocks or request.num_computed_tokens:
+            raise ValueError(
+                f"request {rid!r}: cache hits can only be added before its first allocation "
+                f"(it holds {len(req_blocks)} blocks, {request.num_computed_tokens} computed tokens)"
+            )
+        seen: set[int] = set()
+        for block in hits:
+            if not self.block_pool.owns(block) or block.is_null:
+                raise ValueError(f"request {rid!r}: cache hit {block!r} is not a usable block of this pool")
+            if block.block_hash is None:
+                raise ValueError(f"request {rid!r}: cache hit {block!r} holds no cached prefix")
+            if block.block_id in seen:
+                raise ValueError(f"request {rid!r}: cache hit block {block.block_id} is given twice")
+            seen.add(block.block_id)
+        if len(hits) * self.block_size >= request.num_tokens:
+            raise ValueError(
+                f"request {rid!r}: {len(hits)} cache-hit blocks cover all {request.num_tokens} tokens; the last "
+                "token is always computed (get_computed_blocks cuts a full hit back by one block)"
+            )
+
     def allocate_slots(
         self,
         request: Request,
@@ -145,16 +170,13 @@ class KVCacheManager:
         change at all when the pool is short: hits that sit in the free queue count against the free
         blocks, since touching them takes them out of it. Mirrors ``KVCacheManager.allocate_slots``.
         """
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
         rid = request.request_id
         hits = list(new_computed_blocks or [])
         req_blocks = self.req_to_blocks.get(rid, [])
-        if hits and (req_blocks or request.num_computed_tokens):
-            raise ValueError(
-                f"request {rid!r}: cache hits can only be added before its first allocation "
-                f"(it holds {len(req_blocks)} blocks, {request.num_computed_tokens} computed tokens)"
-            )
+        if hits:
+            self._check_hits(request, hits, req_blocks)
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_tokens_need_slot = num_computed + num_new_tokens
         num_required = cdiv(num_tokens_need_slot, self.block_size)

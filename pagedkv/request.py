@@ -7,11 +7,35 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 
 from pagedkv.kv_cache_utils import BlockHash
 
 _arrival_counter = itertools.count()
+
+#: The largest token id a request takes. On ``[0, 2**61 - 1)`` Python's hash of an int is the int itself
+#: (CPython reduces ints modulo the prime 2**61 - 1), so the lab's default ``builtin`` block hash cannot
+#: confuse two token ids: without the bound, ``hash(2**61 - 1) == hash(0)`` and a block of token
+#: 2**61 - 1 would be a false prefix hit for a block of token 0. Real vocabularies are far smaller.
+MAX_TOKEN_ID = 2**61 - 2
+
+
+def as_token_ids(request_id: object, token_ids: Iterable[object]) -> list[int]:
+    """Check and convert token ids: each an integer (a Python, NumPy or 0-d integer tensor value; never a
+    bool or a float, which would be truncated silently) in ``[0, MAX_TOKEN_ID]``. ``ValueError`` otherwise."""
+    out: list[int] = []
+    for t in token_ids:
+        if isinstance(t, bool):
+            raise ValueError(f"request {request_id!r}: a token id must be an int, got {t!r}")
+        try:
+            token = operator.index(t)  # ints and integer scalars only: 1.9 is refused, not truncated to 1
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: a token id must be an int, got {t!r}") from None
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise ValueError(f"request {request_id!r}: token ids must be in [0, {MAX_TOKEN_ID}], got {token}")
+        out.append(token)
+    return out
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,13 +75,13 @@ class Request:
     ) -> None:
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)) or request_id == "":
             raise ValueError(f"request_id must be a non-empty str (or an int), got {request_id!r}")
-        prompt = [int(t) for t in prompt_token_ids]
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a sequence of ints, not text")
+        prompt = as_token_ids(request_id, prompt_token_ids)
         if not prompt:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; a request needs >= 1 token")
-        if any(t < 0 for t in prompt):
-            raise ValueError(f"request {request_id!r}: token ids must be >= 0")
-        if max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
         self.request_id = request_id
         self.prompt_token_ids: list[int] = prompt
         self.output_token_ids: list[int] = []
@@ -96,11 +120,11 @@ class Request:
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled token(s) to the outputs (and to ``all_token_ids``).
 
-        Mirrors ``Request.append_output_token_ids`` in ``vllm/v1/request.py``.
+        One token or a sequence of them; each is checked (``as_token_ids``) before any is appended, so a
+        refused call changes nothing. Mirrors ``Request.append_output_token_ids`` in ``vllm/v1/request.py``.
         """
-        ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
-        if any(t < 0 for t in ids):
-            raise ValueError(f"request {self.request_id!r}: token ids must be >= 0, got {ids}")
+        one = not isinstance(token_ids, Iterable) or getattr(token_ids, "ndim", 1) == 0  # an int, or 0-d array
+        ids = as_token_ids(self.request_id, [token_ids] if one else token_ids)
         self.output_token_ids.extend(ids)
         self._all_token_ids.extend(ids)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from pagedkv.block_table import compute_slot_mapping
 from pagedkv.kv_cache_manager import KVCacheManager, cdiv
-from pagedkv.request import Request, RequestStatus
+from pagedkv.request import Request, RequestStatus, as_token_ids
 from pagedkv.request_queue import SchedulingPolicy, create_request_queue
 from pagedkv.sched_output import CachedRequestData, NewRequestData, ReqIdList, SchedulerOutput
 from pagedkv.trace import EventTrace
@@ -557,11 +557,7 @@ class Scheduler:
             if len(value) != 1:
                 raise ValueError(f"request {rid!r}: one sampled token per step expected, got {list(value)}")
             value = value[0]
-        if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
-            raise ValueError(f"request {rid!r}: a sampled token must be an int, got {value!r}")
-        token = int(value)
-        if token < 0:
-            raise ValueError(f"request {rid!r}: a sampled token must be >= 0, got {token}")
+        (token,) = as_token_ids(rid, [value])  # an int in [0, MAX_TOKEN_ID]; ValueError otherwise
         return token
 
     def update_from_output(

@@ -162,3 +162,26 @@ def test_evict_blocks_forgets_hashes_of_held_and_free_blocks_and_refuses_bad_ids
     m.free(r)
     pool.evict_blocks([2, 3])  # free ones; 3 has no hash: left alone
     assert pool.get_num_cached_blocks() == 0
+
+
+def test_a_bool_or_float_is_not_a_count():
+    """Issue 9 §5: ``True`` is an int to Python, but never a size or a count; a refused call changes nothing."""
+    with pytest.raises(ValueError):
+        BlockPool(True)
+    pool = BlockPool(8)
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError):
+            pool.get_new_blocks(bad)
+    assert pool.get_num_free_blocks() == 7
+
+
+def test_freeing_a_block_of_a_larger_pool_is_a_value_error_and_changes_nothing():
+    small, large = BlockPool(4), BlockPool(16)
+    (mine,) = small.get_new_blocks(1)
+    (foreign,) = large.get_new_blocks(1)
+    (far,) = [b for b in large.get_new_blocks(10) if b.block_id >= 4][:1]
+    free_before = [b.block_id for b in small.free_block_queue]
+    for bad in (foreign, far, "not a block"):
+        with pytest.raises(ValueError, match="does not belong"):
+            small.free_blocks([mine, bad])
+    assert [b.block_id for b in small.free_block_queue] == free_before and mine.ref_cnt == 1

@@ -317,3 +317,72 @@ def test_free_queue_order_after_shared_prefix_requests_and_eviction_order():
     assert [b.block_id for b in m.allocate_slots(r3, 160, hits)] == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     q = m.block_pool.free_block_queue
     assert q.num_free_blocks == 0 and q.fake_free_list_head.next_free_block is q.fake_free_list_tail
+
+
+def test_allocate_slots_refuses_a_bool_token_count_and_changes_nothing():
+    m = KVCacheManager(8, 4)
+    r = Request("r", [1, 2, 3])
+    with pytest.raises(ValueError):
+        m.allocate_slots(r, num_new_tokens=True)
+    assert m.req_to_blocks == {} and m.get_num_free_blocks() == 7
+
+
+def _cached_prefix(m: KVCacheManager, tokens: list[int]) -> None:
+    owner = Request("owner", tokens, max_tokens=1)
+    m.allocate_slots(owner, len(tokens))
+    owner.num_computed_tokens = len(tokens)
+    m.free(owner)
+
+
+def test_allocate_slots_refuses_the_same_cache_hit_twice_and_changes_nothing():
+    """Issue 9 §5: ``[b1, b1]`` as hits gave table [1, 1, 4] with ref_cnt 3."""
+    m = KVCacheManager(8, 2)
+    _cached_prefix(m, [1, 2, 3, 4, 5])
+    r = Request("r", [1, 2, 3, 4, 5], max_tokens=1)
+    hits, _ = m.get_computed_blocks(r)
+    assert len(hits) == 2
+    snap = m.snapshot()
+    for bad in ([hits[0], hits[0]], [hits[0], hits[1], hits[0]]):
+        with pytest.raises(ValueError, match="twice|cover all"):
+            m.allocate_slots(r, 1, bad)
+        assert m.snapshot() == snap
+    with pytest.raises(ValueError, match="not a usable block"):
+        m.allocate_slots(r, 1, [KVCacheManager(8, 2).block_pool.blocks[1]])
+    assert m.snapshot() == snap
+    assert m.allocate_slots(r, 1, hits) is not None
+
+
+@pytest.mark.parametrize("tokens", [[1.9, 2.7], [1, 2.0], [True, 2], [-1], [2**61 - 1], "12"])
+def test_request_refuses_tokens_that_are_not_bounded_ints(tokens):
+    """Floats are refused, not truncated; bools are not token ids; ids are bounded by MAX_TOKEN_ID."""
+    with pytest.raises(ValueError):
+        Request("r", tokens)
+    r = Request("r", [1, 2])
+    with pytest.raises(ValueError):
+        r.append_output_token_ids(tokens)
+    assert r.all_token_ids == [1, 2] and r.output_token_ids == []
+
+
+def test_request_takes_integer_scalars_of_numpy_and_torch():
+    import numpy as np
+    import torch
+
+    r = Request("r", np.array([3, 4]))
+    r.append_output_token_ids(np.int64(5))
+    r.append_output_token_ids(torch.tensor(6))
+    r.append_output_token_ids(torch.tensor([7, 8]))
+    assert r.all_token_ids == [3, 4, 5, 6, 7, 8] and all(type(t) is int for t in r.all_token_ids)
+    with pytest.raises(ValueError):
+        r.append_output_token_ids(torch.tensor(1.5))
+
+
+def test_largest_token_id_does_not_collide_with_token_zero_under_the_builtin_hash():
+    """Issue 9 §5: hash(2**61 - 1) == hash(0), so that id gave a false prefix hit on token 0's block. Every
+    id a request accepts hashes to itself."""
+    from pagedkv.request import MAX_TOKEN_ID
+
+    assert hash(MAX_TOKEN_ID) == MAX_TOKEN_ID
+    m = KVCacheManager(8, 2)
+    _cached_prefix(m, [0, 0, 9])
+    hits, n = m.get_computed_blocks(Request("r", [MAX_TOKEN_ID, MAX_TOKEN_ID, 9]))
+    assert (hits, n) == ([], 0)

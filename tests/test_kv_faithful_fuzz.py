@@ -16,13 +16,13 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from pkv_testing import check_invariants
 
 from pagedkv import KVCacheManager, Request
 from pagedkv.kv_cache_utils import BlockHash
 from pagedkv.scheduler import Scheduler
 from pagedkv.shadow import EMPTY, ShadowKVCache
 from pagedkv.sim import FakeModel
-from tests.pkv_testing import check_invariants
 
 MODEL = FakeModel(vocab_size=50, seed=3)
 

@@ -842,3 +842,17 @@ def test_a_request_swapped_out_before_its_last_sample_arrives_finishes_cleanly()
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.output_token_ids == [42]
     assert not s.swapped and s.cpu_block_pool.get_num_free_blocks() == 8
     assert list(s.waiting) == [] and s.running == [a] and "1" in s.finished_req_ids and "1" not in s.requests
+
+
+@pytest.mark.parametrize("bad", [2**61 - 1, 1.5, True, -3])
+def test_update_from_output_refuses_a_bad_sample_before_changing_anything(bad):
+    s = make_scheduler(num_blocks=10, block_size=4)
+    a, b = Request("a", [1, 2, 3]), Request("b", [4, 5])
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    with pytest.raises(ValueError):
+        s.update_from_output(out, {"a": 7, "b": bad})
+    assert a.output_token_ids == [] and b.output_token_ids == []
+    s.update_from_output(out, {"a": 7, "b": 8})
+    assert a.output_token_ids == [7] and b.output_token_ids == [8]
