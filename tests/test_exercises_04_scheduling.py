@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import Request, RequestStatus
-from pagedkv.sim.scheduling_exercise import (
+from pagedkv.grading.lessons.l04_scheduling import (
     PluggableScheduler,
     example_scenarios,
     example_victim_cases,

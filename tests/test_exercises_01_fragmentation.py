@@ -1,0 +1,63 @@
+"""Exercise set 01 (fragmentation): the checks pass the solution, fail the stub, and give partial credit that
+follows the parts of each contract, with the first failure a learner sees being the one that names the mistake.
+
+The source's test cells run in-process (``tests/source_notebook.py``); ``tests/test_grading.py`` grades the
+built notebooks end to end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from source_notebook import SourceNotebook, stub
+
+SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "01_fragmentation.ipynb"
+NB = SourceNotebook(SOURCE)
+QUESTIONS = ["blocks_needed", "contiguous_capacity", "paged_admission", "waste_percent"]
+
+
+def _points(results, question):
+    """(passed, total) test cases of one question, and the first failure's message."""
+    cases = [(ok, msg) for q, _, ok, msg in results if q == question]
+    first = next((msg for ok, msg in cases if not ok), "")
+    return sum(ok for ok, _ in cases), len(cases), first
+
+
+def test_solution_passes_and_stub_fails_every_case() -> None:
+    results = NB.grade({})
+    assert [r for r in results if not r[2]] == []
+    stubbed = NB.grade({q: stub(src) for q, src in NB.solutions.items()})
+    assert not [r for r in stubbed if r[2]], "the untouched stub passes a case"
+    assert all(msg for *_, msg in stubbed)
+    for q in QUESTIONS:
+        hidden = {h for qq, h, _, _ in results if qq == q}
+        assert hidden == {False, True}, f"{q} needs public and hidden cases"
+
+
+def test_paged_admission_with_strict_less_than_scores_part_and_names_the_boundary() -> None:
+    wrong = NB.solutions["paged_admission"].replace("if need <= free:", "if need < free:")
+    assert wrong != NB.solutions["paged_admission"]
+    passed, total, first = _points(NB.grade({"paged_admission": wrong}, only={"paged_admission"}), "paged_admission")
+    assert (passed, total) == (3, 5)  # fcfs, skip and the refusals hold; the boundary and the hidden sweep fail
+    assert "`<=`, not `<`" in first and "paged_admission([16, 16], 2, 16, 'fcfs') returned [0]" in first
+
+
+def test_paged_admission_without_validation_keeps_the_walks() -> None:
+    src = NB.solutions["paged_admission"]
+    wrong = src.replace('    if policy not in ("fcfs", "skip"):\n', "    if False:\n").replace(
+        "    if pool_blocks < 0:\n", "    if False:\n").replace(
+        "needs = [blocks_needed(n, block_size) for n in lens]", "needs = [-(-n // max(block_size, 1)) for n in lens]")
+    assert wrong.count("if False:") == 2
+    passed, total, first = _points(NB.grade({"paged_admission": wrong}, only={"paged_admission"}), "paged_admission")
+    assert 3 <= passed < total
+    assert "expected it to raise ValueError" in first
+
+
+def test_paged_admission_fcfs_for_skip_and_hard_coded_answers_fail_with_hints() -> None:
+    fcfs_only = NB.solutions["paged_admission"].replace('elif policy == "fcfs":', "else:")
+    passed, total, first = _points(NB.grade({"paged_admission": fcfs_only}, only={"paged_admission"}),
+                                   "paged_admission")
+    assert 0 < passed < total and "that is what policy='fcfs' admits" in first
+    hard = "def paged_admission(lens, pool_blocks, block_size, policy='fcfs'):\n    return list(range(13))\n"
+    passed, total, first = _points(NB.grade({"paged_admission": hard}, only={"paged_admission"}), "paged_admission")
+    assert passed == 0 and "paged_admission([], 128, 16, 'fcfs') returned [0, 1, 2" in first
