@@ -27,6 +27,10 @@ lab's engine takes ``num_gpu_blocks`` for the same purpose.
 :func:`profile` does the whole thing for a loaded model: on a CUDA GPU it measures, as vLLM does; on a CPU
 (a laptop) it computes the same breakdown analytically, labelled as such, against a small stated budget
 (:data:`CPU_TOTAL_MEMORY`), because a CPU has no device memory of its own to profile.
+
+The exercise set asks for ``kv_page_bytes``, ``num_gpu_blocks`` and a prediction like ``analytic_profile``; the
+library's own callers use private twins (``_num_gpu_blocks``, ...), so that hiding the public answers while
+grading leaves :func:`profile` working.
 """
 
 from __future__ import annotations
@@ -255,6 +259,10 @@ def _check_utilization(utilization: Any) -> float:
 def request_memory(total: int, utilization: float) -> int:
     """The bytes the engine may use: ``math.ceil(total * utilization)``, as
     ``vllm/v1/worker/utils.py::request_memory`` computes it (float product, then ceil)."""
+    return _request_memory(total, utilization)
+
+
+def _request_memory(total: int, utilization: float) -> int:
     total = _memory_figure(total, "total")
     if total == 0:
         raise ValueError("total memory must be > 0 bytes")
@@ -282,8 +290,22 @@ def num_gpu_blocks(
     ``kv_cache_utils.py::_check_enough_kv_cache_memory`` refuses ``available <= 0``), saying by how much the
     non-KV memory exceeds the budget and what to lower.
     """
+    return _num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes, num_layers)
+
+
+def _num_gpu_blocks(
+    total: int,
+    utilization: float,
+    weights: int,
+    peak_activation: int,
+    non_torch: int,
+    cudagraph: int,
+    page_bytes: int,
+    num_layers: int,
+) -> int:
+    """The implementation of :func:`num_gpu_blocks` (the library calls this one)."""
     utilization = _check_utilization(utilization)
-    requested = request_memory(total, utilization)
+    requested = _request_memory(total, utilization)
     weights = _memory_figure(weights, "weights")
     peak_activation = _memory_figure(peak_activation, "peak_activation")
     non_torch = _memory_figure(non_torch, "non_torch")
@@ -495,6 +517,42 @@ def analytic_profile(
     ``max_position_embeddings``. Then the same arithmetic as :func:`num_gpu_blocks`, and vLLM's check that one
     ``max_model_len`` request fits. Returns a new MemoryProfile; changes nothing.
     """
+    return _analytic_profile(
+        config,
+        max_num_batched_tokens,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        gpu_memory_utilization=gpu_memory_utilization,
+        total_memory=total_memory,
+        weights_memory=weights_memory,
+        weight_bits=weight_bits,
+        peak_activation_memory=peak_activation_memory,
+        non_torch_memory=non_torch_memory,
+        cudagraph_memory=cudagraph_memory,
+        max_model_len=max_model_len,
+        device=device,
+        notes=notes,
+    )
+
+
+def _analytic_profile(
+    config: Any,
+    max_num_batched_tokens: int,
+    *,
+    block_size: int = 16,
+    kv_cache_dtype: str | torch.dtype = "auto",
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    total_memory: int = CPU_TOTAL_MEMORY,
+    weights_memory: int | None = None,
+    weight_bits: float | None = None,
+    peak_activation_memory: int | None = None,
+    non_torch_memory: int = 0,
+    cudagraph_memory: int = 0,
+    max_model_len: int | None = None,
+    device: str = "cpu",
+    notes: tuple[str, ...] = (),
+) -> MemoryProfile:
+    """The implementation of :func:`analytic_profile` (the library calls this one)."""
     shape = model_shape(config)
     block_size = _positive_int(block_size, "block_size")
     max_num_batched_tokens = _positive_int(max_num_batched_tokens, "max_num_batched_tokens")
@@ -511,7 +569,7 @@ def analytic_profile(
         max_model_len = shape.max_position_embeddings or 2048
     max_model_len = _positive_int(max_model_len, "max_model_len")
     page = 2 * block_size * shape.num_kv_heads * shape.head_dim * kv_dtype.itemsize
-    blocks = num_gpu_blocks(
+    blocks = _num_gpu_blocks(
         total_memory,
         utilization,
         weights_memory,
@@ -521,7 +579,7 @@ def analytic_profile(
         page,
         shape.num_layers,
     )
-    requested = request_memory(total_memory, utilization)
+    requested = _request_memory(total_memory, utilization)
     available = requested - non_torch_memory - peak_activation_memory - weights_memory - cudagraph_memory
     _check_enough_kv_cache_memory(available, page, shape.num_layers, block_size, max_model_len)
     return MemoryProfile(
@@ -786,7 +844,7 @@ def profile(
         shape = model_shape(config)
         rows = min(max_num_seqs, max_num_batched_tokens)
         activations = estimate_peak_activation(config, max_num_batched_tokens, model_dtype, rows)
-        return analytic_profile(
+        return _analytic_profile(
             dataclasses.replace(shape, dtype=model_dtype),  # "auto" means the dtype the model runs in
             max_num_batched_tokens,
             block_size=block_size,
@@ -841,7 +899,7 @@ def _profile_cuda(
     torch.cuda.synchronize(device)
     baseline = MemorySnapshot.measure(device)
     total = baseline.total_memory if total_memory is None else total_memory
-    requested = request_memory(total, utilization)
+    requested = _request_memory(total, utilization)
     # vLLM's request_memory refuses to start when free memory at start-up is below the request; the lab's
     # stand-in for "free at start-up" is free now plus what torch already holds for this process.
     if total_memory is None and baseline.free_memory + baseline.torch_memory < requested:
@@ -864,7 +922,7 @@ def _profile_cuda(
     notes = [f"profile run took {result.profile_time:.2f} s"]
     if not cuda_graphs:
         notes.append("CUDA graphs off: no graph memory estimated")
-    measured = analytic_profile(
+    measured = _analytic_profile(
         shape,
         num_tokens,
         block_size=block_size,
