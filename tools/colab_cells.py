@@ -1,0 +1,109 @@
+"""Put an "Open in Colab" badge and the set-up cell at the top of lesson notebooks (idempotent).
+
+    .venv/bin/python tools/colab_cells.py notebooks/01_fragmentation.ipynb [...]   # or: notebooks/*.ipynb
+    .venv/bin/python tools/colab_cells.py --check notebooks/*.ipynb                # exit 1 if any lacks them
+
+The badge (a markdown cell tagged ``pagedkv-colab-badge``) opens the notebook from GitHub in Colab. The set-up
+cell (a code cell tagged ``pagedkv-setup``) installs the lab where ``pagedkv`` cannot be imported (it runs
+``pagedkv/setup_env.py`` as a script, downloaded from the repository) and then calls
+``pagedkv.setup_env.prepare()``. Running the tool again replaces both cells with their current text and
+leaves everything else, outputs included, as it was; a notebook already up to date is not rewritten. The set-up
+cell's outputs are kept when its text is unchanged; re-execute the notebook after a change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedkv.setup_env import BRANCH, REPO_URL, raw_url  # noqa: E402
+
+BADGE_TAG = "pagedkv-colab-badge"
+SETUP_TAG = "pagedkv-setup"
+
+
+def colab_url(notebook: Path, repo_url: str = REPO_URL, branch: str = BRANCH) -> str:
+    """Colab's address for ``notebook`` (a path inside the repository) on GitHub."""
+    rel = notebook.resolve().relative_to(ROOT).as_posix()
+    return (
+        f"https://colab.research.google.com/github/{repo_url.removeprefix('https://github.com/')}/blob/{branch}/{rel}"
+    )
+
+
+def badge_source(notebook: Path) -> str:
+    return (
+        f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab_url(notebook)})"
+        " · on your own machine: `./lab open` (see the README)"
+    )
+
+
+def setup_cell_source() -> str:
+    """The set-up cell: short; its logic lives in ``pagedkv/setup_env.py`` (tested in tests/test_setup_env.py)."""
+    return f"""# Set-up. Where the lab is not installed (Colab, or a kernel other than the lab's .venv), this
+# fetches its set-up script, which clones the repository and pip-installs it (about a minute).
+# Elsewhere it only checks the machine.
+import importlib.util
+import subprocess
+import sys
+import urllib.request
+
+if importlib.util.find_spec("pagedkv") is None:
+    script = urllib.request.urlopen("{raw_url("pagedkv/setup_env.py")}").read()
+    subprocess.run([sys.executable, "-", "install"], input=script, check=True)
+    importlib.invalidate_caches()
+from pagedkv.setup_env import prepare
+
+report = prepare()"""
+
+
+def _tagged(cell: nbformat.NotebookNode, tag: str) -> bool:
+    return tag in cell.get("metadata", {}).get("tags", [])
+
+
+def apply(nb: nbformat.NotebookNode, notebook: Path) -> bool:
+    """Put the badge and set-up cells first in ``nb`` (replacing older ones); True if anything changed."""
+    badge = nbformat.v4.new_markdown_cell(badge_source(notebook), metadata={"tags": [BADGE_TAG]})
+    setup = nbformat.v4.new_code_cell(setup_cell_source(), metadata={"tags": [SETUP_TAG]})
+    old_badge = next((c for c in nb.cells if _tagged(c, BADGE_TAG)), None)
+    old_setup = next((c for c in nb.cells if _tagged(c, SETUP_TAG)), None)
+    if old_setup is not None and old_setup.source == setup.source:
+        setup = old_setup  # keep its outputs and execution count
+    if old_badge is not None and old_badge.source == badge.source:
+        badge = old_badge
+    rest = [c for c in nb.cells if not (_tagged(c, BADGE_TAG) or _tagged(c, SETUP_TAG))]
+    cells = [badge, setup, *rest]
+    changed = [id(c) for c in cells] != [id(c) for c in nb.cells]
+    if changed:
+        nb.cells = cells
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook is not up to date")
+    args = parser.parse_args(argv)
+    stale = []
+    for path in args.notebooks:
+        if not path.resolve().is_relative_to(ROOT):
+            parser.error(f"{path} is not inside the repository {ROOT}: Colab could not open it from GitHub")
+        nb = nbformat.read(path, as_version=4)
+        if apply(nb, path):
+            stale.append(path)
+            if not args.check:
+                nbformat.write(nb, path)
+                print(f"updated {path}")
+    if args.check and stale:
+        print("not up to date (run tools/colab_cells.py on them):", *map(str, stale), sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
