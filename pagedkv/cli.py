@@ -36,6 +36,22 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     from pagedkv.grading.grade import format_table, grade_paths, report_json
 
     root = _repo_root()
+    for flag, value in (("--timeout", args.timeout), ("--cell-timeout", args.cell_timeout),
+                        ("--case-timeout", args.case_timeout)):
+        if not value > 0:
+            print(f"pagedkv grade: {flag} must be a positive number of seconds (got {value:g})", file=sys.stderr)
+            return 2
+    if args.jobs is not None and args.jobs < 1:
+        print(f"pagedkv grade: --jobs must be at least 1 (got {args.jobs})", file=sys.stderr)
+        return 2
+    if args.json:
+        target = Path(args.json)
+        if target.is_dir():
+            print(f"pagedkv grade: --json {args.json} is a folder; give a file name", file=sys.stderr)
+            return 2
+        if not target.resolve().parent.is_dir():
+            print(f"pagedkv grade: --json {args.json}: the folder {target.parent} does not exist", file=sys.stderr)
+            return 2
     paths = args.paths or [str(root / "exercises")]
     autograder_dir = Path(args.autograder_dir) if args.autograder_dir else root / "grading" / "autograder"
     if not autograder_dir.is_dir():
@@ -49,7 +65,7 @@ def _cmd_grade(args: argparse.Namespace) -> int:
 
     results, problems = grade_paths(
         paths, autograder_dir=autograder_dir, timeout=args.timeout, cell_timeout=args.cell_timeout,
-        jobs=args.jobs, on_result=progress,
+        case_timeout=args.case_timeout, memory=int(args.memory * (1 << 30)), jobs=args.jobs, on_result=progress,
     )
     for p in problems:
         print(f"skipped: {p}", file=sys.stderr)
@@ -101,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per notebook before it is stopped and failed (default 300)")
     g.add_argument("--cell-timeout", type=float, default=60.0, metavar="S",
                    help="seconds per cell before the cell is interrupted (default 60)")
+    g.add_argument("--case-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds one test case may spend in your code, all its calls together (default 60)")
+    g.add_argument("--memory", type=float, default=4.0, metavar="GB",
+                   help="address space of the process that runs a notebook's code (default 4 GB)")
     g.add_argument("--jobs", "-j", type=int, default=None, help="notebooks graded at once (default: CPUs, max 4)")
     g.add_argument("--autograder-dir", metavar="DIR", help="where the NN_name.zip files are "
                    "(default: grading/autograder/ of this repository)")

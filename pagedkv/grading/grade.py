@@ -48,6 +48,8 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 300.0  # seconds per notebook
 DEFAULT_CELL_TIMEOUT = 60.0  # seconds per cell
+DEFAULT_CASE_TIMEOUT = 60.0  # seconds per test case (all the calls of the learner's code it makes)
+DEFAULT_MEMORY = 4 << 30  # bytes of address space for the sandbox
 
 
 @dataclass
@@ -178,6 +180,14 @@ def _first_failure(message: str) -> str:
     return " ".join(ln for ln in lines if not ln.startswith(("❌", "Error at line"))) or "failed"
 
 
+def _clean_message(message: str) -> str:
+    """A test case's failure as the learner should read it: otter's "Error at line N in test ..." frame and a
+    leading "AssertionError:" removed, whitespace folded."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not re.match(r"^(❌\s*)?Error at line \d+ in test", ln)]
+    return _strip_exception_name(" ".join(lines)) or "failed"
+
+
 def _strip_exception_name(text: str) -> str:
     return re.sub(r"^AssertionError:\s*", "", text)
 
@@ -224,8 +234,7 @@ def _exercise_from_json(q: dict, cells: list[dict] | None = None) -> ExerciseRes
             hidden=c["hidden"],
             points=c["points"],
             passed=c["passed"],
-            message="" if c["passed"] else _explain_undefined(_strip_exception_name(_first_failure(c["message"])),
-                                                              cells),
+            message="" if c["passed"] else _explain_undefined(_clean_message(c["message"]), cells),
         )
         for c in q["cases"]
     ]
@@ -244,6 +253,13 @@ def _all_failed(expected: list[tuple[str, float]], message: str) -> list[Exercis
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
+    """Stop a worker: SIGTERM first (it then kills its sandbox and everything the learner's code started), then
+    its whole session."""
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -260,6 +276,8 @@ def grade_notebook(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    case_timeout: float = DEFAULT_CASE_TIMEOUT,
+    memory: int = DEFAULT_MEMORY,
     shown_as: str | None = None,
 ) -> NotebookResult:
     """Grade one notebook against one autograder zip, on a copy, within ``timeout`` seconds."""
@@ -285,7 +303,8 @@ def grade_notebook(
         cmd = [
             sys.executable, "-m", "pagedkv.grading.worker",
             "--autograder", str(autograder.resolve()), "--notebook", str(copy), "--out", str(out),
-            "--cell-timeout", str(min(cell_timeout, timeout)),
+            "--cell-timeout", str(min(cell_timeout, timeout)), "--case-timeout", str(min(case_timeout, timeout)),
+            "--memory", str(int(memory)), "--cpu-seconds", str(int(timeout) + 60),
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
         with open(log_path, "wb") as log:
@@ -328,6 +347,8 @@ def grade_paths(
     autograder_dir: Path,
     timeout: float = DEFAULT_TIMEOUT,
     cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    case_timeout: float = DEFAULT_CASE_TIMEOUT,
+    memory: int = DEFAULT_MEMORY,
     jobs: int | None = None,
     on_result: Callable[[NotebookResult], None] | None = None,
 ) -> tuple[list[NotebookResult], list[str]]:
@@ -347,7 +368,8 @@ def grade_paths(
     def one(item: tuple[Path, Path]) -> NotebookResult:
         nb, zip_path = item
         try:
-            result = grade_notebook(nb, zip_path, timeout=timeout, cell_timeout=cell_timeout, shown_as=str(nb))
+            result = grade_notebook(nb, zip_path, timeout=timeout, cell_timeout=cell_timeout,
+                                    case_timeout=case_timeout, memory=memory, shown_as=str(nb))
         except Exception as exc:  # noqa: BLE001 - never let one notebook stop the others
             result = NotebookResult(str(nb), str(zip_path), "error", 0.0, 0.0, 0.0,
                                     f"grading failed: {type(exc).__name__}: {exc}")

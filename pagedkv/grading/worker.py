@@ -1,50 +1,55 @@
-"""Grade one notebook with ``otter run``, in a process of its own: ``python -m pagedkv.grading.worker``.
+"""Grade one notebook: ``python -m pagedkv.grading.worker`` (trusted; it never runs a learner's code itself).
 
-:mod:`pagedkv.grading.grade` starts one worker per notebook, in a new session, and kills the whole session
-when the notebook's time is up, so a learner's infinite loop costs one notebook's timeout and never hangs
-the grader. The worker:
+:mod:`pagedkv.grading.grade` starts one worker per notebook, in a session of its own, and stops it when the
+notebook's time is up. The worker:
 
-- runs otter's non-containerised grading (``otter.run.main``: a temporary copy of the submission, every
-  cell executed in a fresh kernel, then every test, hidden ones included);
-- bounds each cell: nbconvert's ``ExecutePreprocessor`` (which otter uses) gets a per-cell ``timeout`` with
-  ``interrupt_on_timeout``, so a cell that loops forever is interrupted (KeyboardInterrupt in the kernel),
-  counts as an error, and the cells after it still run;
-- watches each of the learner's cells as it runs (the cells are numbered first, in their metadata, so that
-  the cells otter inserts are told apart): a cell that raised, or that was interrupted at the time limit, is
-  reported with its number, its first line, the names it defines and its error, so that the grader can tell
-  the learner why a function "is not defined" (the cell defining it raised a SyntaxError, or looped);
-- writes the per-test-case results, and those cell reports, as JSON to ``--out`` (and an ``error`` instead
-  when otter itself failed: a notebook that is not JSON, a kernel that died, ...). It never prints a traceback
-  to the user.
+1. reads the notebook (refusing files that are not notebooks) and the set's autograder zip (the tests, hidden
+   ones included, and ``questions.json``: the exercises in order, each one's reference symbols);
+2. for **each exercise on its own**, starts a sandbox (:mod:`pagedkv.grading.sandbox`: a copy of the library
+   without that exercise's reference, another user, limits, the repository hidden) and has it run the
+   notebook's code cells in order (otter's and the checks' cells left out), each under the per-cell time
+   limit: a cell still running is interrupted (and, if it will not stop, its process killed and the
+   notebook run again without it), and reported with its number, first line, the names it defines and its
+   error;
+3. runs the exercise's test cases *here*, with :class:`~pagedkv.grading.remote.RemoteObject` proxies in place
+   of the learner's names (:mod:`pagedkv.grading.remote`): the learner's code runs in the sandbox, the
+   comparison here. Each case has a time budget; a case that exceeds it, or whose calls end the sandbox,
+   fails alone, with a message that says so;
+4. kills the sandbox and everything it started, and goes on with the next exercise;
+5. writes ``{"ok": true, "questions": [...], "cells": [...]}`` (or ``{"ok": false, "error": ...}``) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
-import io
+import inspect
 import json
 import os
 import re
+import signal
 import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["CELL_KEY", "defined_names", "error_text", "load_tests", "main", "notebook_cells", "number_cells"]
 
-
-#: The metadata key holding a learner's cell's number (1-based, every cell counted, as the file has them).
+#: The metadata key holding a cell's number (1-based, every cell counted) in older reports.
 CELL_KEY = "pagedkv_cell"
-
-#: Reports on the learner's cells that raised or were interrupted, filled while otter runs the notebook.
-_CELL_REPORTS: list[dict[str, Any]] = []
+DEFAULT_CASE_TIMEOUT = 60.0
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _DEFINES = re.compile(r"^(?:async\s+def|def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
+_CHECK_NAMES = {"grader", "otter", "Checks"}
 
 
 def number_cells(notebook: str) -> bool:
     """Write each cell's number (1-based) into its metadata, under :data:`CELL_KEY`, in place; False (and the
-    file untouched) when the file is not a readable v4 notebook (otter then reports what is wrong with it)."""
+    file untouched) when the file is not a readable v4 notebook."""
     try:
         with open(notebook, encoding="utf-8") as f:
             nb = json.load(f)
@@ -68,157 +73,282 @@ def defined_names(source: str) -> list[str]:
 
 
 def error_text(output: dict[str, Any]) -> str:
-    """``SyntaxError: invalid syntax (line 3)`` from a cell's error output: the exception and the line of the
+    """``SyntaxError: invalid syntax (line 3)`` from a Jupyter error output: the exception and the line of the
     cell where it happened (IPython's file names such as ``3918070085.py`` left out)."""
     ename = str(output.get("ename") or "Exception")
     evalue = " ".join(str(output.get("evalue") or "").split())
-    m = re.search(r"\s*\((?:[^()]*\.py|<[^<>]*>), line (\d+)\)$", evalue)  # SyntaxError and friends
+    m = re.search(r"\s*\((?:[^()]*\.py|<[^<>]*>), line (\d+)\)$", evalue)
     line = None
     if m:
         evalue, line = evalue[: m.start()], m.group(1)
     else:
         frames = _ANSI.sub("", "\n".join(str(t) for t in output.get("traceback") or []))
-        first = re.search(r"Cell In\[\d+\], line (\d+)", frames)  # the outermost frame: the cell itself
+        first = re.search(r"Cell In\[\d+\], line (\d+)", frames)
         line = first.group(1) if first else None
     text = f"{ename}: {evalue[:200]}" if evalue else ename
     return text + (f" (line {line})" if line else "")
 
 
-def _report_cell(cell: Any, timed_out: bool, timeout: float) -> None:
-    number = (cell.get("metadata") or {}).get(CELL_KEY)
-    if cell.get("cell_type") != "code" or not isinstance(number, int):
-        return  # not a code cell, or one otter inserted
-    errors = [o for o in cell.get("outputs") or [] if o.get("output_type") == "error"]
-    if not (errors or timed_out):
-        return
-    source = str(cell.get("source") or "")
-    first_line = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
-    _CELL_REPORTS.append(
-        {
-            "cell": number,
-            "first_line": first_line[:80],
-            "defines": defined_names(source),
-            "timed_out": bool(timed_out),
-            "seconds": float(timeout),
-            "error": error_text(errors[0]) if errors else "",
-        }
-    )
+# ------------------------------------------------------------------------------------------ the notebook
+class NotANotebook(ValueError):
+    pass
 
 
-def _bound_cells(cell_timeout: float) -> None:
-    """Make every ExecutePreprocessor that otter creates interrupt a cell after ``cell_timeout`` seconds, and
-    report the learner's cells that raised or were interrupted (in :data:`_CELL_REPORTS`).
-
-    otter builds ``ExecutePreprocessor(config=...)`` inside ``otter.execute.grade_notebook`` after importing
-    it from ``nbconvert.preprocessors``; replacing that name with a subclass whose defaults are bounded is the
-    narrowest hook (otter 7 exposes no option for it).
-    """
-    import nbconvert.preprocessors as pre
-
-    base = pre.ExecutePreprocessor
-    if getattr(base, "_pagedkv_bounded", False):
-        return
-
-    class BoundedExecutePreprocessor(base):  # type: ignore[misc, valid-type]
-        _pagedkv_bounded = True
-
-        def __init__(self, **kw: Any) -> None:
-            super().__init__(**kw)
-            self.timeout = int(max(1, cell_timeout))
-            self.interrupt_on_timeout = True
-            self.iopub_timeout = 10
-            self._pagedkv_timed_out = False
-
-        async def _async_handle_timeout(self, timeout: int, cell: Any = None) -> Any:
-            self._pagedkv_timed_out = True  # nbclient interrupts the kernel; the cell ends in KeyboardInterrupt
-            return await super()._async_handle_timeout(timeout, cell)
-
-        def preprocess_cell(self, cell: Any, resources: Any, index: int) -> Any:
-            self._pagedkv_timed_out = False
-            try:
-                return super().preprocess_cell(cell, resources, index)
-            finally:
-                _report_cell(cell, self._pagedkv_timed_out, self.timeout)
-
-    pre.ExecutePreprocessor = BoundedExecutePreprocessor
+def notebook_cells(path: Path) -> list[tuple[int, str]]:
+    """(number, source) of each code cell, numbered over all cells from 1; :class:`NotANotebook` otherwise."""
+    data = path.read_bytes()
+    try:
+        nb = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise NotANotebook("the file is not a readable notebook (not valid .ipynb JSON)") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise NotANotebook("the file is not a notebook (JSON, but without a list of cells)")
+    out = []
+    for i, cell in enumerate(nb["cells"]):
+        if not isinstance(cell, dict):
+            raise NotANotebook(f"the file is not a notebook (cell {i + 1} is not an object)")
+        if cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        if isinstance(source, list):
+            source = "".join(str(s) for s in source)
+        out.append((i + 1, str(source)))
+    return out
 
 
-def _case_name(question: str, index: int, test_case: Any) -> str:
-    name = getattr(test_case, "name", None) or ""
-    return name if name and not name.startswith(f"{question} - ") else f"{question} #{index + 1}"
+def _mentions_checks(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in _CHECK_NAMES:
+            return True
+        if isinstance(sub, (ast.Import, ast.ImportFrom)):
+            mod = getattr(sub, "module", None) or ""
+            names = [a.name for a in sub.names]
+            if mod.startswith(("otter", "pagedkv.grading")) or any(n.startswith("otter") for n in names):
+                return True
+    return False
 
 
-def _results_to_json(results: Any) -> list[dict[str, Any]]:
-    questions = []
-    for qname, test_file in results.results.items():  # pagedkv.grading.grade puts them in notebook order
+def without_checks(source: str) -> str:
+    """The cell without the statements that belong to the in-notebook checks (``import otter``, ``grader = ...``,
+    ``grader.check("x")``): grading runs the tests itself. A cell that does not parse is left as it is."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    lines = source.splitlines(True)
+    drop = [(n.lineno, n.end_lineno or n.lineno) for n in tree.body if _mentions_checks(n)]
+    if not drop:
+        return source
+    for start, end in reversed(drop):
+        lines[start - 1:end] = ["pass\n"] + ["\n"] * (end - start)
+    return "".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ the tests
+@dataclass
+class Case:
+    name: str
+    points: float
+    hidden: bool
+    func: Any
+
+
+@dataclass
+class Question:
+    name: str
+    cases: list[Case] = field(default_factory=list)
+    reference: list[str] = field(default_factory=list)
+
+
+def load_tests(zip_path: Path) -> list[Question]:
+    """The set's questions in notebook order, with their test cases (the zip's ``tests/*.py``, defined here: the
+    test files are the course's code, read from the trusted zip) and reference symbols."""
+    from pagedkv.grading.sandbox import FALLBACK_REFERENCE
+
+    questions: dict[str, Question] = {}
+    order: list[str] = []
+    described: dict[str, Any] = {}
+    with zipfile.ZipFile(zip_path) as zf:
+        names = zf.namelist()
+        if "questions.json" in names:
+            with contextlib.suppress(ValueError, AttributeError):
+                info = json.loads(zf.read("questions.json"))
+                order = [q for q in info.get("questions", []) if isinstance(q, str)]
+                described = info.get("exercises") or {}
+        for entry in sorted(names):
+            if not (entry.startswith("tests/") and entry.endswith(".py")):
+                continue
+            source = zf.read(entry).decode("utf-8")
+            cases: list[Case] = []
+
+            def test_case(name: str | None = None, points: float | None = None, hidden: bool = False,
+                          success_message: str | None = None, failure_message: str | None = None,
+                          _cases: list[Case] = cases) -> Any:
+                def register(func: Any) -> Any:
+                    _cases.append(Case(name or func.__name__, float(points or 0), bool(hidden), func))
+                    return func
+                return register
+
+            source = re.sub(r"^from otter\.test_files import test_case\s*$", "", source, flags=re.M)
+            namespace: dict[str, Any] = {"__name__": f"pagedkv_tests_{Path(entry).stem}", "test_case": test_case}
+            exec(compile(source, f"<tests/{Path(entry).name}>", "exec"), namespace)  # noqa: S102 - trusted zip
+            qname = str(namespace.get("name") or Path(entry).stem)
+            ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
+            reference = [str(r) for r in (ref or [])] + FALLBACK_REFERENCE.get(qname, [])
+            questions[qname] = Question(qname, cases, sorted(set(reference)))
+    rank = {q: i for i, q in enumerate(order)}
+    return sorted(questions.values(), key=lambda q: (rank.get(q.name, len(rank)), q.name))
+
+
+# ------------------------------------------------------------------------------------------ grading
+_CURRENT: dict[str, Any] = {}
+
+
+class Grader:
+    def __init__(self, cells: list[tuple[int, str]], *, cell_timeout: float, case_timeout: float,
+                 memory: int, cpu_seconds: int) -> None:
+        self.cells = [(n, without_checks(src), src) for n, src in cells]
+        self.cell_timeout = cell_timeout
+        self.case_timeout = case_timeout
+        self.memory = memory
+        self.cpu_seconds = cpu_seconds
+        self.reports: dict[int, dict] = {}
+        self.skip: set[int] = set()
+
+    def _report(self, number: int, original: str, **what: Any) -> None:
+        if number in self.reports:
+            return
+        first = next((ln.strip() for ln in original.splitlines() if ln.strip()), "")
+        self.reports[number] = {"cell": number, "first_line": first[:80], "defines": defined_names(original),
+                                "timed_out": False, "seconds": float(self.cell_timeout), "error": "", **what}
+
+    def open(self, references: list[str]) -> Any:
+        """A sandbox that has run the notebook's cells; restarts (without the culprit) when a cell kills it."""
+        from pagedkv.grading.remote import Client
+        from pagedkv.grading.sandbox import Sandbox
+
+        for _attempt in range(4):
+            sandbox = Sandbox(references=references, memory=self.memory, cpu_seconds=self.cpu_seconds)
+            sandbox.start()
+            _CURRENT["sandbox"] = sandbox
+            client = Client(sandbox, references)
+            _CURRENT["client"] = client
+            died_at = None
+            for number, source, original in self.cells:
+                if number in self.skip or not source.strip():
+                    continue
+                try:
+                    result = client.exec_cell(number, source, self.cell_timeout)
+                except BaseException as exc:  # noqa: BLE001 - SandboxDied: the cell ended the process
+                    self._report(number, original, error=f"ended the notebook's process ({exc})")
+                    died_at = number
+                    break
+                if result.get("timed_out"):
+                    self._report(number, original, timed_out=True, error=str(result.get("error") or ""))
+                    if client.dead is not None:
+                        died_at = number
+                        break
+                elif result.get("error"):
+                    if "is not available while grading" not in str(result["error"]):
+                        self._report(number, original, error=str(result["error"]))
+            if died_at is None:
+                return client
+            self.skip.add(died_at)
+            sandbox.close()
+        return client
+
+    def grade_question(self, q: Question) -> dict:
+        from pagedkv.grading.remote import SandboxDied, TooSlow, forward_triton_launches
+
+        client = self.open(q.reference)
         cases = []
-        for i, tcr in enumerate(test_file.test_case_results):
-            tc = tcr.test_case
-            cases.append(
-                {
-                    "name": _case_name(qname, i, tc),
-                    "hidden": bool(tc.hidden),
-                    "points": float(tc.points or 0),
-                    "passed": bool(tcr.passed),
-                    "message": str(tcr.message or ""),
-                }
-            )
-        questions.append(
-            {
-                "name": qname,
-                "score": float(test_file.score),
-                "possible": float(test_file.possible),
-                "cases": cases,
-            }
-        )
-    return questions
+        try:
+            for case in q.cases:
+                if client.dead is not None:
+                    client.sandbox.close()
+                    client = self.open(q.reference)
+                params = list(inspect.signature(case.func).parameters)
+                message = ""
+                client.start_case(self.case_timeout)
+                try:
+                    found = client.names(params)
+                    kwargs = {p: found.get(p) for p in params}
+                    with forward_triton_launches(lambda: _CURRENT["client"]):
+                        case.func(**kwargs)
+                    passed = True
+                except AssertionError as exc:
+                    passed, message = False, str(exc) or "failed"
+                except TooSlow as exc:
+                    passed, message = False, str(exc)
+                except SandboxDied as exc:
+                    passed, message = False, f"your code ended the process that runs it: {exc}"
+                except Exception as exc:  # noqa: BLE001 - a check that breaks on odd learner code still reports
+                    passed, message = False, f"{type(exc).__name__}: {exc}"
+                except BaseException as exc:  # noqa: BLE001 - CallTimeout escaping a check, KeyboardInterrupt
+                    if isinstance(exc, KeyboardInterrupt) and _CURRENT.get("stopping"):
+                        raise
+                    passed, message = False, f"{type(exc).__name__}: {exc}"
+                finally:
+                    client.end_case()
+                cases.append({"name": case.name, "hidden": case.hidden, "points": case.points, "passed": passed,
+                              "message": message})
+        finally:
+            client.sandbox.close()
+        score = sum(c["points"] for c in cases if c["passed"])
+        return {"name": q.name, "score": float(score), "possible": float(sum(c["points"] for c in cases)),
+                "cases": cases}
+
+
+def grade(notebook: Path, autograder: Path, *, cell_timeout: float, case_timeout: float, memory: int,
+          cpu_seconds: int) -> dict:
+    try:
+        cells = notebook_cells(notebook)
+    except NotANotebook as exc:
+        return {"ok": False, "error": str(exc)}
+    except OSError as exc:
+        return {"ok": False, "error": f"cannot read the notebook: {exc.strerror}"}
+    questions = load_tests(autograder)
+    grader = Grader(cells, cell_timeout=cell_timeout, case_timeout=case_timeout, memory=memory,
+                    cpu_seconds=cpu_seconds)
+    results = [grader.grade_question(q) for q in questions]
+    return {"ok": True, "questions": results, "cells": [grader.reports[k] for k in sorted(grader.reports)]}
+
+
+def _on_term(signum: int, frame: Any) -> None:
+    """Stopped by the grader (the notebook's time is up): end the sandbox and everything it started first."""
+    _CURRENT["stopping"] = True
+    sandbox = _CURRENT.get("sandbox")
+    if sandbox is not None:
+        with contextlib.suppress(BaseException):
+            sandbox.close()
+    os._exit(3)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedkv.grading.sandbox import DEFAULT_MEMORY
+
     parser = argparse.ArgumentParser(prog="python -m pagedkv.grading.worker")
     parser.add_argument("--autograder", required=True)
     parser.add_argument("--notebook", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--cell-timeout", type=float, default=60.0)
+    parser.add_argument("--case-timeout", type=float, default=DEFAULT_CASE_TIMEOUT)
+    parser.add_argument("--memory", type=int, default=DEFAULT_MEMORY)
+    parser.add_argument("--cpu-seconds", type=int, default=900)
     args = parser.parse_args(argv)
-
-    payload: dict[str, Any]
-    log = io.StringIO()
+    signal.signal(signal.SIGTERM, _on_term)
+    start = time.monotonic()
     try:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            number_cells(args.notebook)
-            _bound_cells(args.cell_timeout)
-            from otter.run import main as otter_run
-
-            results = otter_run(args.notebook, autograder=args.autograder, output_dir=None, no_logo=True)
-        error = results.catastrophic_error
-        if error is not None:
-            payload = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-        else:
-            payload = {"ok": True, "questions": _results_to_json(results), "cells": _CELL_REPORTS}
-    except BaseException as exc:  # noqa: BLE001 - a learner's notebook may break otter in any way
-        payload = {"ok": False, "error": _explain(exc, log.getvalue())}
-    payload["log_tail"] = log.getvalue()[-4000:]
+        payload = grade(Path(args.notebook), Path(args.autograder), cell_timeout=args.cell_timeout,
+                        case_timeout=args.case_timeout, memory=args.memory, cpu_seconds=args.cpu_seconds)
+    except BaseException as exc:  # noqa: BLE001 - report, never a traceback to the user
+        payload = {"ok": False, "error": f"grading failed: {type(exc).__name__}: {str(exc)[:300]}"}
+    payload["seconds"] = time.monotonic() - start
     tmp = args.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(payload, f)
     os.replace(tmp, args.out)
     return 0
-
-
-def _explain(exc: BaseException, log: str) -> str:
-    name = type(exc).__name__
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    if name == "DeadKernelError":
-        return "the notebook's kernel died while the notebook ran (did a cell call exit() or run out of memory?)"
-    if name in {"NotJSONError", "JSONDecodeError"} or "Notebook does not appear to be JSON" in str(exc):
-        return "the file is not a readable notebook (not valid .ipynb JSON)"
-    if name == "OtterRuntimeError":
-        return f"otter refused the submission: {first}"
-    if name == "ValidationError":
-        return f"the file is not a valid notebook: {first[:200]}"
-    return f"grading failed: {name}: {first[:300]}"
 
 
 if __name__ == "__main__":

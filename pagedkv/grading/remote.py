@@ -1,0 +1,413 @@
+"""The trusted grader's side of the sandbox: proxies that stand in for the learner's functions and objects.
+
+A hidden test runs here, in the trusted process, with the learner's ``blocks_needed`` replaced by a
+:class:`RemoteObject`: calling it sends the arguments (plain data, :mod:`pagedkv.grading.wire`) to the sandbox,
+which calls the learner's function and sends back the result as plain data, a mirrored library object or a
+handle to one of the learner's objects. The test compares what came back with what it expects *here*, with
+the checks of this process, which no learner code can patch.
+
+Rules that keep the comparison honest:
+
+- a handle is equal only to itself (``==`` never asks the learner's object), hashes by identity, and is
+  callable only when the learner's object is;
+- exceptions come back as exception objects made here (``ValueError`` stays a ``ValueError`` for
+  ``expect_raises``; ``SystemExit`` and ``KeyboardInterrupt`` raised by the learner's code become ordinary
+  ``Exception`` subclasses of those names, so they fail one test case and nothing else);
+- a library object the sandbox sends that this side has never seen is rebuilt from its state with
+  ``object.__new__``; if its class has methods that are the exercise's reference, it gets a subclass whose
+  reference methods raise: the learner cannot hand back a library object and have this process run the
+  library's answer on it;
+- every wait for the sandbox is bounded: a test case's budget (:class:`TooSlow` when spent, which says how
+  many calls took how long), the checks' own per-call ``timeout`` (SIGALRM here), and after an interrupt a
+  grace period, after which the sandbox is declared dead (:class:`SandboxDied`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import select
+import time
+from typing import Any
+
+from pagedkv.grading.sandbox import Sandbox
+from pagedkv.grading.wire import Codec, ProtocolError, read_message, resolve_name, write_message
+
+__all__ = ["Client", "RemoteObject", "SandboxDied", "TooSlow", "is_remote"]
+
+_GRACE = 10.0  # seconds the sandbox has to answer after an interrupt
+
+
+class TooSlow(BaseException):  # noqa: N818 - a BaseException, like CallTimeout: `except Exception` cannot eat it
+    """A test case ran past its budget while the learner's code was running."""
+
+
+class SandboxDied(BaseException):  # noqa: N818
+    """The sandbox process ended or stopped answering."""
+
+
+def is_remote(value: Any) -> bool:
+    return isinstance(value, RemoteObject)
+
+
+class RemoteObject:
+    """A handle to one of the learner's objects in the sandbox. See the module's docstring."""
+
+    __slots__ = ("_pagedkv_client", "_pagedkv_handle_id", "_pagedkv_meta")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_pagedkv_"):
+            raise AttributeError(name)
+        return self._pagedkv_client.request("getattr", h=self._pagedkv_handle_id, name=name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_pagedkv_"):
+            object.__setattr__(self, name, value)
+        else:
+            self._pagedkv_client.request("setattr", h=self._pagedkv_handle_id, name=name, value=value)
+
+    def __len__(self) -> int:
+        n = self._pagedkv_client.request("len", h=self._pagedkv_handle_id)
+        if type(n) is not int:
+            raise TypeError("len() of the learner's object is not an int")
+        return n
+
+    def __iter__(self) -> Any:
+        it = self._pagedkv_client.request("iter", h=self._pagedkv_handle_id)
+        while True:
+            try:
+                yield self._pagedkv_client.request("next", h=it._pagedkv_handle_id)
+            except StopIteration:
+                return
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._pagedkv_client.request("getitem", h=self._pagedkv_handle_id, key=key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._pagedkv_client.request("setitem", h=self._pagedkv_handle_id, key=key, value=value)
+
+    def __contains__(self, item: Any) -> bool:
+        return bool(self._pagedkv_client.request("contains", h=self._pagedkv_handle_id, item=item) is True)
+
+    def __bool__(self) -> bool:
+        return self._pagedkv_client.request("bool", h=self._pagedkv_handle_id) is True
+
+    def __repr__(self) -> str:
+        text = self._pagedkv_client.request("repr", h=self._pagedkv_handle_id)
+        return text if isinstance(text, str) else "<the learner's object>"
+
+    def __str__(self) -> str:
+        text = self._pagedkv_client.request("str", h=self._pagedkv_handle_id)
+        return text if isinstance(text, str) else "<the learner's object>"
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or (isinstance(other, RemoteObject) and
+                                 other._pagedkv_handle_id == self._pagedkv_handle_id and
+                                 other._pagedkv_client is self._pagedkv_client)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((id(self._pagedkv_client), self._pagedkv_handle_id))
+
+
+class _CallableRemote(RemoteObject):
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pagedkv_client.request("call", h=self._pagedkv_handle_id, args=list(args), kwargs=kwargs)
+
+
+_HANDLE_TYPES: dict[tuple[str, bool, str | None], type] = {}
+_EXC_TYPES: dict[tuple[str, str], type] = {}
+_BUILTIN_EXC = {name: obj for name, obj in vars(__import__("builtins")).items()
+                if isinstance(obj, type) and issubclass(obj, Exception)}
+
+
+def _handle_type(type_name: str, is_callable: bool, module: str | None = None) -> type:
+    """A RemoteObject subclass named like the learner's type (``Weird``), so messages name it, and whose
+    ``__module__`` is the learner's object's (``__main__``, or the library's for an imported function)."""
+    key = (type_name, is_callable, module)
+    if key not in _HANDLE_TYPES:
+        name = type_name if type_name.isidentifier() else "RemoteObject"
+        base = _CallableRemote if is_callable else RemoteObject
+        _HANDLE_TYPES[key] = type(name, (base,), {"__slots__": (), "__module__": module or "__main__"})
+    return _HANDLE_TYPES[key]
+
+
+class RemoteError(Exception):
+    """Base of the exceptions rebuilt from the sandbox's."""
+
+
+def _exception(info: dict) -> BaseException:
+    """An exception made here from the sandbox's description: same type name, a built-in base kept (ValueError
+    stays catchable as ValueError), always an ``Exception`` (a learner's SystemExit fails one case)."""
+    name = str(info.get("type") or "Exception")
+    if name == "StopIteration":
+        return StopIteration()
+    builtin = next((_BUILTIN_EXC[b] for b in info.get("bases") or [] if b in _BUILTIN_EXC), None)
+    if builtin is not None and builtin.__name__ == name:
+        exc: BaseException = builtin(str(info.get("message") or ""))
+    else:
+        key = (name, builtin.__name__ if builtin else "")
+        if key not in _EXC_TYPES:
+            bases = (builtin, RemoteError) if builtin is not None and builtin is not Exception else (RemoteError,)
+            _EXC_TYPES[key] = type(name if name.isidentifier() else "LearnerError", bases, {"__module__": "__main__"})
+        exc = _EXC_TYPES[key](str(info.get("message") or ""))
+    where = info.get("where") or {}
+    return _with_learner_frame(exc, where)
+
+
+def _with_learner_frame(exc: BaseException, where: dict) -> BaseException:
+    """Give ``exc`` a traceback whose last frame reads like the learner's (function name, line, text), so the
+    checks' "(in f, line 3: return x // 0)" works for an exception that happened in the sandbox."""
+    name, line, text = where.get("name"), where.get("line"), where.get("text") or ""
+    if not (isinstance(name, str) and name.isidentifier() and isinstance(line, int) and 1 <= line < 100_000):
+        return exc
+    filename = f"<learner code: {name}>"
+    lines = ["\n"] * (line - 1) + [f"{text}\n"]
+    linecache.cache[filename] = (len(lines), None, lines, filename)
+    pad = "\n" * max(0, line - 2)
+    if line < 2:
+        return exc
+    code = compile(f"{pad}def {name}(e):\n raise e\n", filename, "exec")
+    scope: dict[str, Any] = {}
+    exec(code, scope)  # noqa: S102 - our own two-line function, named after the learner's
+    try:
+        scope[name](exc)
+    except BaseException as raised:  # noqa: BLE001
+        tb = raised.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return raised.with_traceback(tb)
+    return exc
+
+
+class Client:
+    """Talks to one :class:`~pagedkv.grading.sandbox.Sandbox`; see the module's docstring."""
+
+    def __init__(self, sandbox: Sandbox, references: list[str]) -> None:
+        self.sandbox = sandbox
+        self.references = set(references)
+        self.dead: str | None = None
+        self.deadline: float | None = None  # the current test case's budget
+        self.budget = 0.0
+        self.calls = 0
+        self.call_seconds = 0.0
+        self.slowest = 0.0
+        self._tainted: dict[type, type] = {}
+        self.codec = Codec("t", export=None, import_handle=self._import_handle, exported=None,
+                           resolve=self._resolve, make_mirror=self._make_mirror)
+
+    # ------------------------------------------------------------------ what the sandbox may name
+    def _resolve(self, name: str) -> Any:
+        obj = resolve_name(name)
+        dotted = name.replace(":", ".")
+        if dotted in self.references:
+            raise ProtocolError(f"{dotted} is the exercise's reference")
+        return obj
+
+    def _make_mirror(self, cls: type, mid: str) -> Any:
+        """A library object the sandbox made: with the exercise's reference methods refused."""
+        tainted = self._tainted.get(cls)
+        if tainted is None:
+            prefix = f"{cls.__module__}.{cls.__qualname__}."
+            names = [r[len(prefix):] for r in self.references if r.startswith(prefix) and "." not in r[len(prefix):]]
+            if not names:
+                tainted = cls
+            else:
+                def refused(name: str) -> Any:
+                    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                        raise RuntimeError(f"{cls.__name__}.{name} is not available on an object the learner's code "
+                                           "made (it is the exercise's reference)")
+                    return method
+                tainted = type(cls.__name__, (cls,), {n: refused(n) for n in names if n != "__init__"})
+                tainted.__module__ = cls.__module__
+            self._tainted[cls] = tainted
+        return object.__new__(tainted)
+
+    def _import_handle(self, meta: dict) -> RemoteObject:
+        module = meta.get("module")
+        cls = _handle_type(str(meta.get("type") or "object"), bool(meta.get("callable")),
+                           module if isinstance(module, str) else None)
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_pagedkv_client", self)
+        object.__setattr__(obj, "_pagedkv_handle_id", int(meta["$h"]))
+        object.__setattr__(obj, "_pagedkv_meta", meta)
+        return obj
+
+    # ------------------------------------------------------------------ test cases
+    def start_case(self, budget: float) -> None:
+        self.budget = budget
+        self.deadline = time.monotonic() + budget
+        self.calls, self.call_seconds, self.slowest = 0, 0.0, 0.0
+
+    def end_case(self) -> None:
+        self.deadline = None
+        if self.dead is None:
+            with contextlib.suppress(BaseException):
+                self._exchange({"op": "reset"}, timeout=_GRACE)
+        self.codec.clear()
+
+    def too_slow_message(self) -> str:
+        avg = self.call_seconds / self.calls if self.calls else 0.0
+        return (f"too slow: this test case's {self.calls} call{'s' if self.calls != 1 else ''} of your code took "
+                f"{self.call_seconds:.1f} s in all ({avg:.2f} s per call on average, the slowest {self.slowest:.2f} s),"
+                f" past the limit of {self.budget:g} s for one test case; each call is correct only if it is also "
+                "fast enough: look for repeated work (a loop over all blocks inside a loop, a sleep)")
+
+    # ------------------------------------------------------------------ requests
+    def exec_cell(self, number: int, source: str, timeout: float) -> dict:
+        """Run one cell; ``{"error": text}``, ``{"timed_out": True, ...}``, or ``{}``."""
+        start = time.monotonic()
+        try:
+            reply = self._exchange({"op": "exec", "number": number, "source": source}, timeout=timeout,
+                                   interruptible=True)
+        except TimeoutError:
+            return {"timed_out": True, "seconds": time.monotonic() - start,
+                    "error": "KeyboardInterrupt" if self.dead is None else "could not be interrupted"}
+        return reply
+
+    def names(self, names: list[str]) -> dict[str, Any]:
+        return self.request("names", names=names)
+
+    def launch(self, kernel: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+        fn = getattr(kernel, "fn", kernel)
+        name = f"{fn.__module__}:{fn.__qualname__}"
+        return self.request("launch", kernel=name, grid=tuple(grid), args=list(args), kwargs=kwargs)
+
+    def request(self, op: str, **fields: Any) -> Any:
+        if self.dead is not None:
+            raise SandboxDied(self.dead)
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            raise TooSlow(self.too_slow_message())
+        codec = self.codec
+        codec.begin()
+        msg: dict[str, Any] = {"op": op}
+        for key, value in fields.items():
+            if key in ("h", "name"):
+                msg[key] = value
+            elif key == "kwargs":
+                msg[key] = codec.encode(dict(value))
+            elif key == "names":
+                msg[key] = list(value)
+            elif key == "kernel":
+                msg[key] = value
+            else:
+                msg[key] = codec.encode(value)
+        msg["mirrors"] = codec.mirror_states()
+        msg["storages"] = codec.storages()
+        timeout = None if self.deadline is None else max(0.0, self.deadline - now)
+        start = time.monotonic()
+        try:
+            reply = self._exchange(msg, timeout=timeout, interruptible=True)
+        except TimeoutError:
+            self._count(start)
+            raise TooSlow(self.too_slow_message()) from None
+        self._count(start)
+        codec.load_storages(reply.get("storages") or {})
+        codec.apply_mirror_states(reply.get("mirrors") or {})
+        codec.write_back(reply.get("writeback") or {})
+        if "raised" in reply:
+            info = reply["raised"]
+            if not isinstance(info, dict):
+                raise ProtocolError("a malformed exception")
+            raise _exception(info)
+        return codec.decode(reply.get("value"))
+
+    def _count(self, start: float) -> None:
+        spent = time.monotonic() - start
+        self.calls += 1
+        self.call_seconds += spent
+        self.slowest = max(self.slowest, spent)
+
+    def _exchange(self, msg: dict, *, timeout: float | None, interruptible: bool = False) -> dict:
+        """Send ``msg`` and wait for the answer; on a timeout (or an exception raised here while waiting, such
+        as the checks' SIGALRM), interrupt the learner's code and wait for its answer so the conversation stays
+        in step; if none comes within the grace period, the sandbox is dead."""
+        try:
+            write_message(self.sandbox.fd_to, msg)
+        except OSError as exc:
+            self._die(f"the learner's process {self.sandbox.exit_description()} ({exc.strerror})")
+        try:
+            if not self._wait(timeout):
+                self._interrupt_and_drain()
+                raise TimeoutError
+            return self._read()
+        except BaseException as exc:
+            if isinstance(exc, (TimeoutError, SandboxDied)):
+                raise
+            # interrupted here (CallTimeout from the checks' time limit, Ctrl-C): stop the learner's call too
+            self._interrupt_and_drain()
+            raise
+
+    def _wait(self, timeout: float | None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            ready, _, _ = select.select([self.sandbox.fd_from], [], [], left)
+            if ready:
+                return True
+            if end is not None and time.monotonic() >= end:
+                return False
+
+    def _read(self) -> dict:
+        try:
+            return read_message(self.sandbox.fd_from)
+        except (EOFError, OSError):
+            with contextlib.suppress(Exception):
+                self.sandbox.proc.wait(timeout=2)
+            self._die(f"the learner's process {self.sandbox.exit_description()}")
+        except ProtocolError as exc:
+            self._die(f"the learner's process sent garbage ({exc})")
+        raise AssertionError("unreachable")
+
+    def _interrupt_and_drain(self) -> None:
+        self.sandbox.interrupt()
+        if self._wait(_GRACE):
+            with contextlib.suppress(SandboxDied):
+                self._read()
+            return
+        self.sandbox.close()
+        self.dead = "the learner's code did not stop when interrupted, so its process was killed"
+
+    def _die(self, why: str) -> None:
+        self.dead = why
+        raise SandboxDied(why)
+
+
+@contextlib.contextmanager
+def forward_triton_launches(client_of: Any) -> Any:
+    """While grading: a library Triton kernel launched with a learner's ``@triton.jit`` function (a handle)
+    among its arguments is launched in the sandbox instead (the harness kernel is library code; the outputs
+    come back as data and are compared here). ``client_of()`` gives the current :class:`Client`."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except Exception:  # noqa: BLE001 - no Triton: nothing to forward
+        yield
+        return
+    saved = {cls: cls.__getitem__ for cls in (JITFunction, InterpretedFunction)}
+
+    def patched(original: Any) -> Any:
+        def getitem(self: Any, grid: Any) -> Any:
+            launcher = original(self, grid)
+
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                if any(isinstance(a, RemoteObject) for a in (*args, *kwargs.values())):
+                    if callable(grid):
+                        raise TypeError("a grid given as a function cannot be sent to the learner's process")
+                    return client_of().launch(self, grid, args, kwargs)
+                return launcher(*args, **kwargs)
+            return launch
+        return getitem
+
+    for cls, original in saved.items():
+        cls.__getitem__ = patched(original)
+    try:
+        yield
+    finally:
+        for cls, original in saved.items():
+            cls.__getitem__ = original

@@ -1,0 +1,442 @@
+"""What crosses between the trusted grader and the sandbox: plain data, as JSON with tagged types (never pickle).
+
+Both ends of :mod:`pagedkv.grading.remote` (the trusted grader) and :mod:`pagedkv.grading.sandbox_main` (the
+process that ran the learner's cells) speak this. A message is an 8-byte big-endian length and a UTF-8 JSON
+object. Values are encoded by :class:`Codec`:
+
+- ``None``, ``bool``, ``int``, ``float`` (NaN and infinities too), ``str``: JSON as they are; ``list``: a JSON array;
+- ``{"$tuple": [...]}``, ``{"$set": [...]}``, ``{"$frozenset": [...]}``, ``{"$dict": [[k, v], ...]}`` (any keys),
+  ``{"$bytes": base64}``, ``{"$deque": [...], "maxlen": n}``, ``{"$odict": [[k, v], ...]}``, ``{"$slice": [a, b, c]}``;
+- ``{"$np": dtype, "shape": [...], "data": base64}`` (a numpy array), ``{"$npv": dtype, "v": value}`` (a numpy
+  scalar); ``{"$tensor": storage id, "dtype", "shape", "stride", "offset", "device"}`` with the storage's bytes
+  once per message under the message's ``storages`` (so views keep sharing memory, and a padded view keeps its
+  padding: an out-of-bounds read lands in it, as it would in the trusted process);
+- ``{"$enum": "module:Qualname", "name": member}``, ``{"$ref": "module:qualname"}``: a class, function or enum
+  member of the library (``pagedkv.*``), found by name on the other side;
+- ``{"$m": id}``: an instance of a library class, *mirrored*: each side keeps its own object for the id, and
+  each message carries the state (``__dict__`` and slots) of the mirrored objects that changed since the last
+  one, under ``mirrors``; the receiver updates its object in place (no code of the object's class runs);
+- ``{"$h": id, ...}``: an object of the sender's that stays where it is (the learner's function, class or
+  object): the receiver gets a handle whose attribute reads, calls, ``len``, iteration and indexing are
+  requests to the sender; ``{"$r": id}``: one of the receiver's own handles, sent back;
+- ``{"$exc": {...}}``: an exception (type name, the names of its built-in bases, message, where it was raised).
+
+No value is ever rebuilt by running code that arrived in a message: a library class is resolved by name in the
+receiver's own copy of the library, and its instances are made with ``object.__new__``.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import enum
+import importlib
+import json
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MAX_MESSAGE", "Codec", "ProtocolError", "read_message", "write_message"]
+
+#: The largest message either side accepts (bytes): a tensor argument of a few hundred MB is the most a test sends.
+MAX_MESSAGE = 1 << 30
+
+_HEADER = struct.Struct(">Q")
+_BUILTIN_EXCEPTIONS = {name: obj for name, obj in vars(__import__("builtins")).items()
+                       if isinstance(obj, type) and issubclass(obj, BaseException)}
+
+
+def _remote_base() -> type:
+    try:
+        from pagedkv.grading.remote import RemoteObject
+    except ImportError:  # the sandbox's copy: it never holds handles
+        return type(None)
+    return RemoteObject
+
+
+class ProtocolError(Exception):
+    """A message that is not what the protocol says (too long, not JSON, cut short)."""
+
+
+def write_message(fd: int, message: dict) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes is over the {MAX_MESSAGE} limit")
+    buf = memoryview(_HEADER.pack(len(data)) + data)
+    while buf:
+        n = os.write(fd, buf)
+        buf = buf[n:]
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("the other side closed the pipe")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_message(fd: int) -> dict:
+    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
+    if n > MAX_MESSAGE:
+        raise ProtocolError(f"message of {n} bytes is over the {MAX_MESSAGE} limit")
+    try:
+        message = json.loads(_read_exact(fd, n).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"a message that is not JSON ({exc})") from exc
+    if not isinstance(message, dict):
+        raise ProtocolError("a message that is not a JSON object")
+    return message
+
+
+def qualified_name(obj: Any) -> str | None:
+    """``module:qualname`` of a class or function, or None when it has none."""
+    module = getattr(obj, "__module__", None)
+    qual = getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qual, str) or "<locals>" in qual:
+        return None
+    return f"{module}:{qual}"
+
+
+def resolve_name(name: str) -> Any:
+    """The object named ``module:qualname``, imported in this process (library names only)."""
+    module, _, qual = name.partition(":")
+    if not (module == "pagedkv" or module.startswith("pagedkv.")) or not qual:
+        raise ProtocolError(f"{name!r} is not a library name")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def is_library_module(module: Any) -> bool:
+    return isinstance(module, str) and (module == "pagedkv" or module.startswith("pagedkv.")) and not \
+        module.startswith("pagedkv.grading.")
+
+
+def exception_info(exc: BaseException) -> dict:
+    """What the other side needs to re-raise ``exc``: its type's name, its built-in bases, the message, where."""
+    import traceback
+
+    bases = [c.__name__ for c in type(exc).__mro__ if _BUILTIN_EXCEPTIONS.get(c.__name__) is c]
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a learner's exception whose __str__ raises
+        message = f"<{type(exc).__name__} whose str() raised>"
+    where = None
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = {"name": last.name, "line": last.lineno, "text": (last.line or "").strip(),
+                 "file": last.filename}
+    return {"type": type(exc).__name__, "bases": bases, "message": message[:4000], "where": where}
+
+
+class Codec:
+    """Encodes and decodes values for one side of the connection.
+
+    ``side`` is ``"t"`` (the trusted grader) or ``"s"`` (the sandbox): it prefixes the mirror ids this side
+    creates. ``export`` turns a local object that must stay here into a handle id; ``import_handle`` turns a
+    handle description from the other side into a local proxy; ``exported`` maps one of this side's handle ids
+    back to its object; ``resolve`` finds a library name (the trusted side passes one that refuses the
+    exercise's reference symbols).
+    """
+
+    def __init__(self, side: str, *, export: Callable[[Any], dict] | None,
+                 import_handle: Callable[[dict], Any] | None, exported: Callable[[int], Any] | None,
+                 resolve: Callable[[str], Any] = resolve_name,
+                 make_mirror: Callable[[type, str], Any] | None = None) -> None:
+        self.side = side
+        self._export = export
+        self._import_handle = import_handle
+        self._exported = exported
+        self._resolve = resolve
+        self._make_mirror = make_mirror
+        self.mirrors: dict[str, Any] = {}  # id -> object
+        self._mirror_ids: dict[int, str] = {}  # id(object) -> id
+        self._last_state: dict[str, str] = {}  # id -> the state last sent or received, as JSON
+        self._counter = 0
+        self._storages: dict[int, tuple[str, Any]] = {}  # while encoding: storage pointer -> (id, tensor)
+        self._storage_out: dict[str, dict] = {}
+        self.received_storages: dict[str, Any] = {}  # while decoding: storage id -> tensor (flat, uint8)
+
+    # -------------------------------------------------------------- mirrors
+    def clear(self) -> None:
+        self.mirrors.clear()
+        self._mirror_ids.clear()
+        self._last_state.clear()
+
+    def _mirror_id(self, obj: Any) -> str:
+        mid = self._mirror_ids.get(id(obj))
+        if mid is None:
+            self._counter += 1
+            mid = f"{self.side}{self._counter}"
+            self.mirrors[mid] = obj
+            self._mirror_ids[id(obj)] = mid
+        return mid
+
+    @staticmethod
+    def _state(obj: Any) -> dict[str, Any]:
+        state = dict(getattr(obj, "__dict__", {}) or {})
+        for klass in type(obj).__mro__:
+            for slot in getattr(klass, "__slots__", ()) or ():
+                if slot in ("__dict__", "__weakref__") or slot in state:
+                    continue
+                try:
+                    state[slot] = object.__getattribute__(obj, slot)
+                except AttributeError:
+                    pass
+        return state
+
+    def mirror_states(self) -> dict[str, dict]:
+        """The states of every mirrored object that changed since they last crossed (new ones included)."""
+        out: dict[str, dict] = {}
+        done: set[str] = set()
+        while True:
+            todo = [mid for mid in list(self.mirrors) if mid not in done]
+            if not todo:
+                return out
+            for mid in todo:
+                done.add(mid)
+                obj = self.mirrors[mid]
+                state = {k: self.encode(v) for k, v in self._state(obj).items()}
+                text = json.dumps(state, sort_keys=True, separators=(",", ":"))
+                if self._last_state.get(mid) != text:
+                    self._last_state[mid] = text
+                    out[mid] = {"class": qualified_name(type(obj)), "state": state}
+
+    def apply_mirror_states(self, states: dict) -> None:
+        if not isinstance(states, dict):
+            raise ProtocolError("mirrors is not an object")
+        for mid, entry in states.items():
+            if mid not in self.mirrors:
+                cls = self._resolve(str(entry.get("class")))
+                if not isinstance(cls, type):
+                    raise ProtocolError(f"{entry.get('class')} is not a class")
+                obj = self._make_mirror(cls, mid) if self._make_mirror else object.__new__(cls)
+                self.mirrors[mid] = obj
+                self._mirror_ids[id(obj)] = mid
+        for mid, entry in states.items():
+            obj = self.mirrors[mid]
+            state = {str(k): self.decode(v) for k, v in (entry.get("state") or {}).items()}
+            slots = set()
+            for klass in type(obj).__mro__:
+                slots.update(getattr(klass, "__slots__", ()) or ())
+            if hasattr(obj, "__dict__"):
+                obj.__dict__.clear()
+            for k, v in state.items():
+                if k in slots or not hasattr(obj, "__dict__"):
+                    object.__setattr__(obj, k, v)
+                else:
+                    obj.__dict__[k] = v
+            self._last_state[mid] = json.dumps(entry.get("state") or {}, sort_keys=True, separators=(",", ":"))
+
+    # -------------------------------------------------------------- tensors
+    def begin(self) -> None:
+        self._storages = {}
+        self._storage_out = {}
+
+    def storages(self) -> dict[str, dict]:
+        return self._storage_out
+
+    def _encode_tensor(self, t: Any) -> dict:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._storages:
+            sid = f"{self.side}{len(self._storages) + 1}"
+            self._storages[key] = (sid, t)
+            import torch
+
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage.cpu() if t.device.type != "cpu" else storage)
+            self._storage_out[sid] = {"nbytes": storage.nbytes(),
+                                      "data": base64.b64encode(flat.numpy().tobytes()).decode("ascii")}
+        sid = self._storages[key][0]
+        return {"$tensor": sid, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "stride": list(t.stride()), "offset": t.storage_offset(), "device": t.device.type,
+                "grad": bool(t.requires_grad)}
+
+    @staticmethod
+    def _encode_storage_bytes(flat: Any) -> dict:
+        """A received storage (flat uint8), sent back after a call: the tensors written in place."""
+        return {"nbytes": int(flat.numel()), "data": base64.b64encode(flat.numpy().tobytes()).decode("ascii")}
+
+    def write_back(self, storages: dict) -> None:
+        """Copy the storages the other side sent back into the tensors this side had sent (in-place writes)."""
+        import numpy as np
+        import torch
+
+        by_sid = {sid: t for sid, t in self._storages.values()}
+        for sid, entry in (storages or {}).items():
+            t = by_sid.get(sid)
+            if t is None:
+                raise ProtocolError("a storage written back that was never sent")
+            data = base64.b64decode(entry["data"])
+            storage = t.untyped_storage()
+            if len(data) != storage.nbytes():
+                raise ProtocolError("a storage written back with the wrong length")
+            new = torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            flat.copy_(new)
+
+    def load_storages(self, storages: dict) -> None:
+        import numpy as np
+        import torch
+
+        self.received_storages = {}
+        for sid, entry in (storages or {}).items():
+            data = base64.b64decode(entry["data"])
+            if len(data) != int(entry["nbytes"]):
+                raise ProtocolError("a tensor storage of the wrong length")
+            self.received_storages[sid] = torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
+
+    def _decode_tensor(self, v: dict) -> Any:
+        import torch
+
+        flat = self.received_storages.get(v["$tensor"])
+        if flat is None:
+            raise ProtocolError("a tensor whose storage was not sent")
+        dtype = getattr(torch, str(v["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ProtocolError(f"unknown dtype {v['dtype']!r}")
+        base = flat.view(dtype) if flat.numel() % dtype.itemsize == 0 else flat[: flat.numel() // dtype.itemsize
+                                                                               * dtype.itemsize].view(dtype)
+        t = base.as_strided([int(x) for x in v["shape"]], [int(x) for x in v["stride"]], int(v["offset"]))
+        if v.get("device") == "cuda" and torch.cuda.is_available():
+            t = t.cuda()
+        return t
+
+    # -------------------------------------------------------------- values
+    def encode(self, value: Any) -> Any:  # noqa: C901 - one branch per type
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int) and type(value) is int:
+            return value
+        if isinstance(value, float) and type(value) is float:
+            return value
+        if type(value) is list:
+            return [self.encode(v) for v in value]
+        if type(value) is tuple:
+            return {"$tuple": [self.encode(v) for v in value]}
+        if type(value) is dict:
+            return {"$dict": [[self.encode(k), self.encode(v)] for k, v in value.items()]}
+        if type(value) is set:
+            return {"$set": [self.encode(v) for v in value]}
+        if type(value) is frozenset:
+            return {"$frozenset": [self.encode(v) for v in value]}
+        if type(value) is bytes:
+            return {"$bytes": base64.b64encode(value).decode("ascii")}
+        if type(value) is collections.OrderedDict:
+            return {"$odict": [[self.encode(k), self.encode(v)] for k, v in value.items()]}
+        if type(value) is collections.deque:
+            return {"$deque": [self.encode(v) for v in value], "maxlen": value.maxlen}
+        if type(value) is collections.defaultdict and value.default_factory in (list, int, set, dict, float):
+            return {"$ddict": [[self.encode(k), self.encode(v)] for k, v in value.items()],
+                    "factory": value.default_factory.__name__}
+        if type(value) is slice:
+            return {"$slice": [self.encode(value.start), self.encode(value.stop), self.encode(value.step)]}
+        if isinstance(value, BaseException) and self._export is None:
+            return {"$exc": exception_info(value)}
+        module = type(value).__module__
+        if module == "torch" and type(value).__name__ in ("Tensor", "Parameter"):
+            return self._encode_tensor(value.detach())
+        if module == "torch" and type(value).__name__ == "dtype":
+            return {"$dtype": str(value).removeprefix("torch.")}
+        if module == "numpy" and type(value).__name__ == "ndarray" and value.dtype.kind in "biuf":
+            return {"$np": value.dtype.str, "shape": list(value.shape),
+                    "data": base64.b64encode(value.tobytes()).decode("ascii")}
+        if module == "numpy" and hasattr(value, "dtype") and getattr(value, "ndim", None) == 0 and \
+                value.dtype.kind in "biuf":
+            return {"$npv": value.dtype.str, "v": value.item()}
+        if isinstance(value, enum.Enum) and is_library_module(type(value).__module__):
+            return {"$enum": qualified_name(type(value)), "name": value.name}
+        handle = getattr(value, "_pagedkv_handle_id", None)
+        if isinstance(handle, int) and isinstance(value, _remote_base()):
+            return {"$r": handle}
+        if is_library_module(getattr(value, "__module__", None)) and isinstance(value, type) or (
+                callable(value) and type(value).__name__ in ("function", "builtin_function_or_method")
+                and is_library_module(getattr(value, "__module__", None))):
+            name = qualified_name(value)
+            if name is not None and self._export is None:
+                return {"$ref": name}
+        if is_library_module(type(value).__module__) and not isinstance(value, type) and \
+                qualified_name(type(value)) is not None and (hasattr(value, "__dict__") or
+                                                             getattr(type(value), "__slots__", None) is not None):
+            return {"$m": self._mirror_id(value)}
+        if self._export is not None:
+            return self._export(value)
+        raise TypeError(f"cannot send a {type(value).__name__} to the learner's code")
+
+    def decode(self, value: Any) -> Any:  # noqa: C901 - one branch per tag
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, list):
+            return [self.decode(v) for v in value]
+        if not isinstance(value, dict) or len(value) == 0:
+            raise ProtocolError(f"unexpected value {str(value)[:80]}")
+        if "$tuple" in value:
+            return tuple(self.decode(v) for v in value["$tuple"])
+        if "$dict" in value:
+            return {self.decode(k): self.decode(v) for k, v in value["$dict"]}
+        if "$set" in value:
+            return {self.decode(v) for v in value["$set"]}
+        if "$frozenset" in value:
+            return frozenset(self.decode(v) for v in value["$frozenset"])
+        if "$bytes" in value:
+            return base64.b64decode(value["$bytes"])
+        if "$odict" in value:
+            return collections.OrderedDict((self.decode(k), self.decode(v)) for k, v in value["$odict"])
+        if "$deque" in value:
+            return collections.deque((self.decode(v) for v in value["$deque"]), value.get("maxlen"))
+        if "$ddict" in value:
+            factory = {"list": list, "int": int, "set": set, "dict": dict, "float": float}[value["factory"]]
+            return collections.defaultdict(factory, {self.decode(k): self.decode(v) for k, v in value["$ddict"]})
+        if "$slice" in value:
+            return slice(*(self.decode(v) for v in value["$slice"]))
+        if "$tensor" in value:
+            return self._decode_tensor(value)
+        if "$dtype" in value:
+            import torch
+
+            dtype = getattr(torch, str(value["$dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ProtocolError("unknown dtype")
+            return dtype
+        if "$np" in value:
+            import numpy as np
+
+            dtype = np.dtype(str(value["$np"]))
+            if dtype.kind not in "biuf":
+                raise ProtocolError("unsupported numpy dtype")
+            return np.frombuffer(base64.b64decode(value["data"]), dtype=dtype).reshape(value["shape"]).copy()
+        if "$npv" in value:
+            import numpy as np
+
+            dtype = np.dtype(str(value["$npv"]))
+            if dtype.kind not in "biuf":
+                raise ProtocolError("unsupported numpy dtype")
+            return dtype.type(value["v"])
+        if "$enum" in value:
+            cls = self._resolve(str(value["$enum"]))
+            return cls[str(value["name"])]
+        if "$ref" in value:
+            return self._resolve(str(value["$ref"]))
+        if "$m" in value:
+            obj = self.mirrors.get(str(value["$m"]))
+            if obj is None:
+                raise ProtocolError(f"mirrored object {value['$m']} was not described")
+            return obj
+        if "$h" in value:
+            if self._import_handle is None:
+                raise ProtocolError("handles are not accepted here")
+            return self._import_handle(value)
+        if "$r" in value:
+            if self._exported is None:
+                raise ProtocolError("this side exports nothing")
+            return self._exported(int(value["$r"]))
+        if "$exc" in value:
+            return value["$exc"]
+        raise ProtocolError(f"unknown tag in {sorted(value)[:3]}")
