@@ -156,6 +156,8 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``; return the blocks newly allocated.
 
@@ -168,7 +170,15 @@ class KVCacheManager:
 
         Returns the fresh blocks in table order (copy-on-write replacements included), or ``None`` with no
         change at all when the pool is short: hits that sit in the free queue count against the free
-        blocks, since touching them takes them out of it. Mirrors ``KVCacheManager.allocate_slots``.
+        blocks, since touching them takes them out of it.
+
+        ``full_sequence_must_fit`` (vLLM 0.26's admission gate, ``SchedulerConfig.scheduler_reserve_full_isl``)
+        first asks whether the request's whole current sequence, ``request.num_tokens`` (its prompt and any
+        outputs, not ``max_tokens``), would fit: ``ceil(num_tokens / block_size)`` blocks minus those it holds
+        and its hits, plus its hits that sit in the free queue, must not exceed the free blocks; otherwise
+        ``None``, even when this chunk alone would fit. With chunked prefill this keeps a long prompt from
+        being admitted on its first chunk only to stall (or preempt others) halfway. Mirrors
+        ``KVCacheManager.allocate_slots`` (``get_num_blocks_to_allocate`` with the full sequence).
         """
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
@@ -183,7 +193,12 @@ class KVCacheManager:
         num_new_blocks = max(0, num_required - len(req_blocks) - len(hits))
         cow = self._blocks_written(request, req_blocks, num_new_tokens) if not hits else []
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-        if num_new_blocks + len(cow) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        num_free = self.block_pool.get_num_free_blocks()
+        if full_sequence_must_fit:
+            num_full_blocks = cdiv(request.num_tokens, self.block_size)
+            if max(0, num_full_blocks - len(req_blocks) - len(hits)) + num_evictable_hits > num_free:
+                return None
+        if num_new_blocks + len(cow) > num_free - num_evictable_hits:
             return None
 
         # From here on the allocation cannot fail.

@@ -9,10 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
-
-if TYPE_CHECKING:
-    from pagedkv.request import Request
+from typing import Any, Protocol, Union
 
 #: A block's hash: an int from Python's ``hash`` or 32 bytes from sha256.
 BlockHash = Union[int, bytes]  # noqa: UP007 - kept a plain alias so it reads the same in the lesson
@@ -268,7 +265,21 @@ def hash_block_tokens(
     return hash_fn((parent, tuple(curr_block_token_ids), extra_keys))
 
 
-def generate_block_hash_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
+class HashableRequest(Protocol):
+    """What block hashing reads from a request and writes back (``pagedkv.request.Request`` is one). A
+    protocol rather than an import, so that this module, at the bottom of the library, imports no other
+    (``request`` imports ``BlockHash`` from here)."""
+
+    lora_id: int | None
+    cache_salt: str | None
+    block_hashes: list[BlockHash]
+    block_hasher_key: tuple[object, ...] | None
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+def generate_block_hash_extra_keys(request: HashableRequest, block_index: int) -> tuple[Any, ...] | None:
     """What besides the tokens decides a block's KV, as vLLM orders it: the adapter (in every block's key),
     then the cache salt (in the first block's only: chaining carries it into every later hash). ``None``
     when there is neither. Mirrors ``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``."""
@@ -280,7 +291,7 @@ def generate_block_hash_extra_keys(request: Request, block_index: int) -> tuple[
     return tuple(keys) if keys else None
 
 
-def update_block_hashes(request: Request, block_size: int, hash_fn: Callable[[Any], BlockHash]) -> None:
+def update_block_hashes(request: HashableRequest, block_size: int, hash_fn: Callable[[Any], BlockHash]) -> None:
     """Extend ``request.block_hashes`` to cover every full block of its tokens (partial blocks are never
     hashed: their tokens, and so their KV, are not final). Mirrors vLLM's ``get_request_block_hasher``."""
     key = (block_size, hash_fn)

@@ -103,6 +103,12 @@ class Scheduler:
     ``waiting`` is a queue (``FCFSRequestQueue`` or ``PriorityRequestQueue``) that iterates in admission
     order; ``running`` is a list in admission order; ``requests`` maps every unfinished request id to its
     request. ``swapped`` maps a request swapped out to the CPU pool to its CPU block ids.
+
+    ``scheduler_reserve_full_isl`` (default ``True``, as ``SchedulerConfig.scheduler_reserve_full_isl`` in
+    vLLM 0.26) admits a waiting request only when its whole current sequence fits in the free blocks, prefix
+    hits counted (``allocate_slots(..., full_sequence_must_fit=True)``), not merely its first chunk: vLLM's
+    reason is that it "prevents over-admission and KV cache thrashing with chunked prefill". ``False`` admits
+    on the first chunk, as vLLM did before the gate.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         *,
         long_prefill_token_threshold: int = 0,
+        scheduler_reserve_full_isl: bool = True,
     ) -> None:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise ValueError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
@@ -133,7 +140,10 @@ class Scheduler:
             or long_prefill_token_threshold < 0
         ):
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {long_prefill_token_threshold!r}")
+        if not isinstance(scheduler_reserve_full_isl, bool):
+            raise ValueError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
         self.kv_cache_manager = kv_cache_manager
+        self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_running_reqs = max_num_seqs  # vLLM's name
@@ -254,7 +264,8 @@ class Scheduler:
         newest running request under FCFS, the worst ``(priority, arrival_time)`` under priority; if it was
         already scheduled in this step its tokens return to the budget) and the allocation is retried; if the
         victim is the request itself, the running loop stops. Then, only if nothing was preempted, waiting
-        requests are admitted in queue order until one does not fit (``allocate_slots`` returns ``None``), the
+        requests are admitted in queue order until one does not fit (``allocate_slots`` returns ``None``; with
+        ``scheduler_reserve_full_isl``, when its whole sequence would not fit), the
         budget runs out or ``max_num_seqs`` run: an admitted request's ``num_computed_tokens`` is set to its
         prefix-cache hit length (or, if it was swapped out, kept, and its blocks swapped in). The manager's
         ``prefix_cache_stats`` count one lookup per admission: a lookup that is not admitted is taken back.
@@ -339,7 +350,13 @@ class Scheduler:
             else:
                 hits, num_computed = manager.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_computed, state.token_budget)
-            new_blocks = manager.allocate_slots(request, num_new, hits) if num_new > 0 else None
+            new_blocks = (
+                manager.allocate_slots(
+                    request, num_new, hits, full_sequence_must_fit=self.scheduler_reserve_full_isl
+                )
+                if num_new > 0
+                else None
+            )
             if new_blocks is None:
                 # Nothing to compute until its last sample arrives (num_new == 0), or it does not fit: FCFS, so
                 # it blocks the ones behind it. Either way it was not admitted, so its lookup does not count.

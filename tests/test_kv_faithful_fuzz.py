@@ -62,6 +62,7 @@ class Run:
             preemption_mode=rng.choice(["recompute", "swap"]),
             num_cpu_blocks=num_cpu_blocks,
             long_prefill_token_threshold=rng.choice([0, 0, rng.randint(1, 8)]),
+            scheduler_reserve_full_isl=rng.random() < 0.5,
         )
         self.shadow = ShadowKVCache(num_blocks, block_size, num_cpu_blocks)
         self.roots = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(3)]
@@ -204,7 +205,8 @@ def fuzz(seeds: range, *, stop_at_first: bool = False) -> list[int]:
     return bad
 
 
-def test_issue_9_priority_victim_scheduled_earlier_in_the_step_leaves_no_unwritten_block_cached():
+@pytest.mark.parametrize("gate", [False, True])
+def test_issue_9_priority_victim_scheduled_earlier_in_the_step_leaves_no_unwritten_block_cached(gate):
     """Issue 9's reproduction: A is scheduled first in a step, then preempted in the same step for B (higher
     priority); the blocks A was handed for that step's tokens must not stay in the prefix cache."""
     manager = KVCacheManager(10, 4)
@@ -214,6 +216,7 @@ def test_issue_9_priority_victim_scheduled_earlier_in_the_step_leaves_no_unwritt
         max_num_batched_tokens=12,
         policy="priority",
         long_prefill_token_threshold=8,
+        scheduler_reserve_full_isl=gate,  # issue 9 found it with the gate off; with it on, A and B enter alike
     )
     prompt = list(range(100, 132))
     s.add_request(Request("A", prompt, max_tokens=1, priority=1))

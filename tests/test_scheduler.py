@@ -856,3 +856,38 @@ def test_update_from_output_refuses_a_bad_sample_before_changing_anything(bad):
     assert a.output_token_ids == [] and b.output_token_ids == []
     s.update_from_output(out, {"a": 7, "b": 8})
     assert a.output_token_ids == [7] and b.output_token_ids == [8]
+
+
+def _run_one_step(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    s.update_from_output(out, {r: 1 for r in out.num_scheduled_tokens if r not in out.partial_prefill_req_ids})
+    return out
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_admission_gate_waits_until_the_whole_prompt_fits(gate):
+    """vLLM 0.26's ``scheduler_reserve_full_isl`` (the default): a 16-token prompt needs 4 blocks; its first
+    4-token chunk would fit in the 2 blocks free, but it is not admitted until the whole prompt fits.
+    ``False`` admits it on the first chunk (the behaviour before the gate)."""
+    s = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=20, scheduler_reserve_full_isl=gate)
+    assert Scheduler.__init__.__kwdefaults__["scheduler_reserve_full_isl"] is True
+    s.add_request(Request("run", list(range(16)), max_tokens=5))  # 4 blocks, then a 5th to decode
+    _run_one_step(s)
+    s.add_request(Request("long", [7] * 16, max_tokens=1))
+    s.max_num_batched_tokens = 5  # one decode token + a 4-token chunk
+    out = _run_one_step(s)
+    assert s.kv_cache_manager.get_num_free_blocks() == (2 if gate else 1)
+    assert list(out.num_scheduled_tokens) == (["run"] if gate else ["run", "long"])
+
+
+def test_admission_gate_counts_prefix_hits_held_by_others_as_already_there():
+    """The whole sequence must fit *after* its hits: blocks another request holds cost nothing; cached blocks
+    sitting in the free queue count against the free blocks (touching them takes them out)."""
+    s = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64)
+    shared = list(range(12))
+    s.add_request(Request("owner", shared + [50], max_tokens=3))
+    _run_one_step(s)  # owner holds 4 blocks; 2 free
+    s.add_request(Request("reader", shared + [60, 61, 62, 63, 64], max_tokens=1))  # 17 tokens: 5 blocks
+    out = _run_one_step(s)
+    assert "reader" in out.num_scheduled_tokens  # 3 hits held by owner + 2 new blocks = fits in 2 free
+    assert out.num_computed_tokens["reader"] == 12

@@ -43,11 +43,19 @@ class ContiguousKVCacheManager(KVCacheManager):
         return (self.num_gpu_blocks - 1) // self.blocks_per_request
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        *,
+        full_sequence_must_fit: bool = False,
     ) -> list[KVCacheBlock] | None:
+        """Reserve the request's ``max_len`` run at its first allocation; ``[]`` afterwards. The reservation
+        covers the longest sequence, so vLLM 0.26's full-sequence gate (``full_sequence_must_fit``) always
+        holds once it is made and changes nothing here."""
         if new_computed_blocks:
             raise ValueError("the contiguous baseline has no prefix cache")
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
         rid = request.request_id
         need = request.num_computed_tokens + num_new_tokens
