@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 from pathlib import Path
 
 import nbformat
@@ -51,6 +52,13 @@ def stub(src: str) -> str:
     return "\n".join(replace_solutions(src.split("\n"), "python"))
 
 
+def _compile(code: str, filename: str):
+    """compile(), with the source registered in linecache so that inspect.getsource works on what the cell
+    defines (Triton's @triton.jit reads its function's source)."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    return compile(code, filename, "exec")
+
+
 class SourceNotebook:
     def __init__(self, path: Path, *, tolerate_cell_errors: bool = False) -> None:
         self.items = parse_source(path)
@@ -65,17 +73,17 @@ class SourceNotebook:
         (question, hidden, passed, message)."""
         ns: dict = {"__name__": "__main__"}
         results = []
-        for kind, q, src, hidden in self.items:
+        for n, (kind, q, src, hidden) in enumerate(self.items):
             if kind != "test":
                 code = answers.get(q, src) if kind == "solution" else src
                 suppress = contextlib.suppress(Exception) if self.tolerate_cell_errors else contextlib.nullcontext()
                 with contextlib.redirect_stdout(io.StringIO()), suppress:
-                    exec(compile(code, f"<{kind} cell of {q}>", "exec"), ns)
+                    exec(_compile(code, f"<{kind} cell {n} of {q}: {abs(hash(code))}>"), ns)
                 continue
             if (only and q not in only) or (public_only and hidden):
                 continue
             try:
-                exec(compile(src, f"<test cell of {q}>", "exec"), dict(ns))
+                exec(_compile(src, f"<test cell {n} of {q}>"), dict(ns))
             except AssertionError as exc:
                 results.append((q, hidden, False, str(exc)))
             else:

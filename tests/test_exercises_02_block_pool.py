@@ -32,7 +32,7 @@ def test_the_source_has_every_question_with_public_and_hidden_tests() -> None:
 
 def test_solution_passes_every_test() -> None:
     results = _grade({})
-    assert len(results) == 13
+    assert len(results) == 14
     failed = [(q, msg) for q, _, ok, msg in results if not ok]
     assert not failed, failed
 
@@ -291,3 +291,23 @@ def test_wrong_answer_fails_a_public_test_with_a_clear_message(
     failures = [msg for q, _, ok, msg in results if not ok]
     assert failures, f"{wid}: no public test of {question} catches this mistake"
     assert phrase in failures[0], f"{wid}: the first failure does not say {phrase!r}: {failures[0]}"
+
+
+@pytest.mark.parametrize(
+    "wid, old, new, at_least",
+    [
+        # a right get_new_blocks with a wrong free_blocks keeps get_new_blocks' point (and the refusals')
+        ("free_reversed", "    for block in reversed(to_head):", "    for block in to_head:", 2),
+        ("free_no_checks", "        if times[block.block_id] > block.ref_cnt:\n            raise",
+         "        if False:\n            raise", 2),
+        # a right free_blocks with a get_new_blocks that forgets to evict keeps free_blocks' points
+        ("alloc_no_evict", "        evict_if_cached(pool, block)\n", "", 2),
+    ],
+    ids=lambda v: v if isinstance(v, str) and v.isidentifier() else None,
+)
+def test_pool_alloc_free_scores_the_right_half(wid: str, old: str, new: str, at_least: int) -> None:
+    src = SOLUTIONS["pool_alloc_free"]
+    assert old in src, wid
+    results = _grade({"pool_alloc_free": src.replace(old, new)}, only={"pool_alloc_free"})
+    passed = sum(ok for _, _, ok, _ in results)
+    assert at_least <= passed < len(results), (wid, results)

@@ -28,7 +28,8 @@ def schedule_waiting(scheduler, step):
         request = scheduler.waiting.peek_request()
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)
-        if manager.allocate_slots(request, num_new, hits) is None:
+        if manager.allocate_slots(request, num_new, hits,
+                                  full_sequence_must_fit=scheduler.scheduler_reserve_full_isl) is None:
             break
         scheduler.waiting.pop_request()
         request.num_computed_tokens = num_hit
@@ -59,7 +60,8 @@ def waiting_skips_ahead(scheduler, step):  # the seed card's loop: pass over a r
             break
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)
-        if manager.allocate_slots(request, num_new, hits) is None:
+        if manager.allocate_slots(request, num_new, hits,
+                                  full_sequence_must_fit=scheduler.scheduler_reserve_full_isl) is None:
             continue
         scheduler.waiting.remove_request(request)
         request.num_computed_tokens = num_hit
@@ -74,7 +76,8 @@ def waiting_while_preempting(scheduler, step):
         request = scheduler.waiting.peek_request()
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)
-        if manager.allocate_slots(request, num_new, hits) is None:
+        if manager.allocate_slots(request, num_new, hits,
+                                  full_sequence_must_fit=scheduler.scheduler_reserve_full_isl) is None:
             break
         scheduler.waiting.pop_request()
         request.num_computed_tokens = num_hit
@@ -91,9 +94,27 @@ def waiting_ignores_hits(scheduler, step):
         request = scheduler.waiting.peek_request()
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)
+        if manager.allocate_slots(request, num_new, hits,
+                                  full_sequence_must_fit=scheduler.scheduler_reserve_full_isl) is None:
+            break
+        scheduler.waiting.pop_request()
+        request.status = RequestStatus.RUNNING
+        scheduler.running.append(request)
+        step.schedule(request, num_new)
+
+
+def waiting_first_chunk_only(scheduler, step):  # the gate before vLLM 0.26: only the chunk must fit
+    if step.preempted:
+        return
+    manager = scheduler.kv_cache_manager
+    while scheduler.waiting and step.token_budget > 0 and len(scheduler.running) < scheduler.max_num_seqs:
+        request = scheduler.waiting.peek_request()
+        hits, num_hit = manager.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit, step.token_budget)
         if manager.allocate_slots(request, num_new, hits) is None:
             break
         scheduler.waiting.pop_request()
+        request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
         scheduler.running.append(request)
         step.schedule(request, num_new)
@@ -165,6 +186,7 @@ def test_reference_answers_pass():
         ("schedule_waiting", waiting_skips_ahead, "past 'big', which did not fit"),
         ("schedule_waiting", waiting_while_preempting, "in a step that preempted"),
         ("schedule_waiting", waiting_ignores_hits, "prefix-cache hit length"),
+        ("schedule_waiting", waiting_first_chunk_only, "whole sequence"),
         ("preempt", preempt_stub, "still holds blocks"),
         ("preempt", preempt_loses_outputs, "lost output tokens"),
         ("preempt", preempt_to_tail, "head of waiting"),

@@ -297,6 +297,16 @@ def _admission_diagnosis(step: int, extra: str, ref: Scheduler, ref_out, mine_be
             f"about {need} blocks, {ref.kv_cache_manager.get_num_free_blocks()} were free): admission is first "
             "come first served and stops at the first request that does not fit (allocate_slots returns None)"
         )
+    req = ref.requests.get(extra)
+    if req is not None and getattr(ref, "scheduler_reserve_full_isl", False):
+        need = cdiv(req.num_tokens, ref.block_size)
+        return (
+            f"step {step}: your scheduler admitted {extra!r}, which should have stayed waiting: its chunk fits, but "
+            f"its whole sequence ({req.num_tokens} tokens, about {need} blocks with the cached prefix counted) does "
+            f"not ({ref.kv_cache_manager.get_num_free_blocks()} blocks free). vLLM 0.26 admits a request only when "
+            "all of it fits (scheduler_reserve_full_isl): pass full_sequence_must_fit="
+            "scheduler.scheduler_reserve_full_isl to allocate_slots"
+        )
     return f"step {step}: your scheduler admitted {extra!r}, which should have stayed waiting"
 
 

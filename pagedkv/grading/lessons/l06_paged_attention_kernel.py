@@ -17,6 +17,7 @@ what was expected and what came back (via ``pagedkv.grading.checks.fail``, so th
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import triton
@@ -192,8 +193,13 @@ def _expected_offsets(table: list[int], seq_len: int, kv_head: int, strides, blo
     return offsets, (pos < seq_len)
 
 
-def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0) -> None:
-    """Offsets and mask, read back directly, with strides and block ids large enough to overflow int32."""
+def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "both") -> None:
+    """Offsets and mask, read back directly, with strides and block ids large enough to overflow int32.
+
+    ``part``: "offsets" checks the offsets alone, "mask" the mask alone, "both" the mask then the offsets (so
+    that each half of the exercise can earn its point on its own)."""
+    if part not in ("both", "offsets", "mask"):
+        raise ValueError(f"part must be 'both', 'offsets' or 'mask', got {part!r}")
     _require_jit(kv_block_offsets, "kv_block_offsets")
     gen = torch.Generator().manual_seed(seed)
     cases = [
@@ -218,7 +224,7 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0) -> None:
         where = (f"with block_size={block_size}, head_dim={head_dim}, kv_head={kv_head}, seq_len={seq_len}, "
                  f"block table {table}, strides (block, token, head) = {strides}")
         got_mask = mask.bool()
-        if not torch.equal(got_mask, want_mask):
+        if part != "offsets" and not torch.equal(got_mask, want_mask):
             j = int((got_mask != want_mask).any(1).nonzero()[0, 0])
             why = ""
             extra = (torch.arange(block_size) + j * block_size == seq_len) & got_mask[j]
@@ -230,7 +236,7 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0) -> None:
                        "j * BLOCK_SIZE + slot")
             _fail(f"kv_block_offsets mask for logical block j={j} is {got_mask[j].int().tolist()}, expected "
                   f"{want_mask[j].int().tolist()} ({where}).{why}")
-        if not torch.equal(offs, want_offs):
+        if part != "mask" and not torch.equal(offs, want_offs):
             bad = (offs != want_offs).nonzero()[0].tolist()
             j, t, dd = bad
             got, want = int(offs[j, t, dd]), int(want_offs[j, t, dd])
@@ -295,6 +301,37 @@ def check_kv_block_offsets_gather(kv_block_offsets, seed: int = 0, block_sizes=(
 # -------------------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def reference_kv_block_offsets(table_row_ptr, j, seq_len, kv_head, stride_kb, stride_kt, stride_kh,
+                               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Exercise 1's answer: what exercise 2's checks plug into the learner's loop, so that a mistake in
+    exercise 1 costs no points in exercise 2 (the grader keeps it out of the learner's reach)."""
+    physical = tl.load(table_row_ptr + j).to(tl.int64)
+    slot = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, HEAD_DIM)
+    offsets = physical * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+    mask = j * BLOCK_SIZE + slot < seq_len
+    return offsets, mask
+
+
+def with_reference_offsets(kernel):
+    """A copy of the learner's ``paged_decode_v1_kernel`` whose ``kv_block_offsets`` is the reference one.
+
+    The kernel's Python function is rebuilt with the same code over a copy of its globals (the notebook's
+    namespace, untouched) in which ``kv_block_offsets`` is :func:`reference_kv_block_offsets`, and jitted
+    again: the interpreter and the compiler both resolve called functions through those globals. Anything
+    that is not a ``@triton.jit`` kernel comes back as it is."""
+    fn = getattr(kernel, "fn", None)
+    if not isinstance(fn, types.FunctionType):
+        return kernel
+    namespace = dict(fn.__globals__)
+    namespace["kv_block_offsets"] = reference_kv_block_offsets
+    clone = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    clone.__qualname__, clone.__module__, clone.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    clone.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    return triton.jit(clone)
+
+
 def launch_learner_decode_v1(kernel, query, key_cache, value_cache, block_tables, seq_lens, scale=None, out=None):
     """Launch the exercise's ``paged_decode_v1_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, HEAD_DIM)``; grid (B, Hq)."""
@@ -336,15 +373,13 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
     # past the sequence's blocks reads masked slots of valid blocks instead of memory past the table.
     kc, vc, bt, sl = make_paged_kv(lens, hkv, d, block_size, dtype=dtype, generator=gen, max_blocks=max(lens))
     q = (2.0 * torch.randn(len(lens), hkv * group, d, generator=gen)).to(dtype)  # peaky scores: the max moves
-    helper = getattr(getattr(paged_decode_v1_kernel, "fn", None), "__globals__", {}).get("kv_block_offsets")
-    if helper is not None and hasattr(helper, "fn"):
-        used = bt[:, : math.ceil(max(lens) / block_size)].contiguous()  # the blocks a correct loop visits
-        _check_offsets_in_bounds(helper, kc, used, sl, "paged_decode_v1_kernel (via kv_block_offsets, exercise 1)")
+    # The loop is judged with exercise 1's answer in place of the learner's kv_block_offsets: a mistake there
+    # is exercise 1's, and must not cost this exercise its points (nor read outside the cache).
+    kernel = with_reference_offsets(paged_decode_v1_kernel)
     kcp, vcp, btp = _padded(kc, float("nan")), _padded(vc, float("nan")), _padded(bt, 0)
     qp = _padded(q, float("nan"))
     out = _padded(torch.full_like(q, float("nan")), float("nan"))
-    _launch("paged_decode_v1_kernel", launch_learner_decode_v1, paged_decode_v1_kernel, qp, kcp, vcp, btp, sl,
-            out=out)
+    _launch("paged_decode_v1_kernel", launch_learner_decode_v1, kernel, qp, kcp, vcp, btp, sl, out=out)
     ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
     err = relative_error(out, ref)
     if err < TOL[dtype]:
@@ -516,8 +551,13 @@ def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8)
             want_q[:group] = q[b, g * group : (g + 1) * group]
             if torch.isnan(q_out[g]).any():
                 r = int(torch.isnan(q_out[g]).any(1).nonzero()[0, 0])
-                _fail(f"load_query_group tile row {r} for kv_head={g} read memory past the queries ({where}): load "
-                      "with mask=row_mask[:, None] and other=0.0 so padding rows are zeros")
+                if r >= group:  # a padding row: the load was not masked with the row mask
+                    _fail(f"load_query_group tile row {r} for kv_head={g} is a padding row (row >= GROUP = {group}) "
+                          f"and read memory past the queries ({where}): load with mask=row_mask[:, None] and "
+                          "other=0.0 so that padding rows are zeros")
+                _fail(f"load_query_group tile row {r} for kv_head={g} (query head {g * group + r}) read memory "
+                      f"outside the query tensor ({where}): its address is off. Row r of sequence b is at "
+                      "q_ptr + b * stride_qb + heads[r] * stride_qh + d (check which stride multiplies what)")
             if not torch.allclose(q_out[g], want_q):
                 r = int((~torch.isclose(q_out[g], want_q)).any(1).nonzero()[0, 0])
                 what = "a padding row, which must be zeros (other=0.0)" if r >= group else f"query head {g * group + r}"
@@ -528,8 +568,12 @@ def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8)
 
 def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num_kv_heads: int = 2,
                        dtype=torch.float32) -> None:
-    """Decode version 2 with the learner's packing against the float64 reference; padding must stay unwritten."""
+    """Decode version 2 with the learner's packing against the float64 reference; padding must stay unwritten.
+
+    The rows are probed first (:func:`check_query_group_probe`), so that a wrong head, row mask or address is
+    reported as such rather than as a wrong attention output."""
     _require_jit(load_query_group, "load_query_group")
+    check_query_group_probe(load_query_group, seed=seed, groups=groups, num_kv_heads=max(num_kv_heads, 1))
     dtype = _dtype(dtype)
     gen = torch.Generator().manual_seed(seed)
     block_size, d = 16, 32

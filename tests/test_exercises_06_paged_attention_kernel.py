@@ -1,0 +1,89 @@
+"""Exercise set 06 (a Triton paged-attention kernel): its checks pass the solution and fail the stub; each part is
+scored on its own (a wrong exercise 1 costs exercise 2 nothing, the offsets and the mask earn a point each);
+"Run All" never stops at a "Try it" cell; the hints name the mistake that was made.
+
+The source's cells run in-process (``tests/source_notebook.py``), the kernels in Triton's interpreter on CPU:
+each grading of the whole source takes tens of seconds, so these tests are marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pagedkv.kernels  # noqa: F401 - sets TRITON_INTERPRET=1 without a GPU, before any kernel is defined
+import pytest
+from source_notebook import SourceNotebook, stub
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the checks run in the interpreter on CPU"),
+]
+
+SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "06_paged_attention_kernel.ipynb"
+NB = SourceNotebook(SOURCE)  # tolerate_cell_errors=False: a "Try it" cell that raises fails the test
+SOL = NB.solutions
+INT32 = ("physical = tl.load(table_row_ptr + j).to(tl.int64)", "physical = tl.load(table_row_ptr + j)")
+LE = ("mask = j * BLOCK_SIZE + slot < seq_len", "mask = j * BLOCK_SIZE + slot <= seq_len")
+
+
+def _by_question(results):
+    out: dict[str, list[tuple[bool, str]]] = {}
+    for q, _, ok, msg in results:
+        out.setdefault(q, []).append((ok, msg))
+    return out
+
+
+def _broken(question: str, old: str, new: str) -> str:
+    assert old in SOL[question], f"the solution of {question} no longer contains {old!r}"
+    return SOL[question].replace(old, new)
+
+
+def test_solution_passes_and_the_stub_fails_every_case_and_run_all_runs_through() -> None:
+    assert [r for r in NB.grade({}) if not r[2]] == []
+    stubbed = NB.grade({q: stub(src) for q, src in SOL.items()})  # raises if a "Try it" cell raises
+    assert not [r for r in stubbed if r[2]], "the untouched stub passes a case"
+    assert all(msg for *_, msg in stubbed)
+
+
+def test_offsets_and_mask_score_apart_with_their_hints() -> None:
+    wrong_mask = _by_question(NB.grade({"kv_block_offsets": _broken("kv_block_offsets", *LE)},
+                                       only={"kv_block_offsets"}))["kv_block_offsets"]
+    assert [ok for ok, _ in wrong_mask] == [True, False, False]
+    assert "use `<`, not `<=`" in wrong_mask[1][1]
+    wrapped = _by_question(NB.grade({"kv_block_offsets": _broken("kv_block_offsets", *INT32)},
+                                    only={"kv_block_offsets"}))["kv_block_offsets"]
+    assert [ok for ok, _ in wrapped] == [False, True, False]
+    message = wrapped[0][1]
+    assert "wrapped around int32" in message and message.endswith("overflow past 2**31 elements")  # whole hint
+
+
+def test_a_wrong_exercise_1_costs_exercise_2_nothing() -> None:
+    results = _by_question(NB.grade({"kv_block_offsets": _broken("kv_block_offsets", *INT32)},
+                                    only={"kv_block_offsets", "paged_decode_v1_kernel"}))
+    assert all(ok for ok, _ in results["paged_decode_v1_kernel"]), results["paged_decode_v1_kernel"]
+    assert not all(ok for ok, _ in results["kv_block_offsets"])
+
+
+def test_decode_loop_without_rescaling_is_named() -> None:
+    wrong = _broken("paged_decode_v1_kernel", "acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)",
+                    "acc = acc + tl.sum(p[:, None] * v, axis=0)")
+    results = _by_question(NB.grade({"paged_decode_v1_kernel": wrong}, only={"paged_decode_v1_kernel"},
+                                    public_only=True))["paged_decode_v1_kernel"]
+    assert not any(ok for ok, _ in results)
+    assert "exp2(m_i - m_new)" in results[0][1]
+
+
+def test_query_group_hints_name_the_row_that_is_wrong() -> None:
+    shifted = _broken("load_query_group", "heads = kv_head * GROUP + r", "heads = kv_head + r")
+    results = _by_question(NB.grade({"load_query_group": shifted}, only={"load_query_group"},
+                                    public_only=True))["load_query_group"]
+    assert not any(ok for ok, _ in results)
+    assert "first query head is g * GROUP, not g" in results[0][1]
+    # A real row read from a wrong address (the row mask is right): the hint is about the address, not padding.
+    bad_address = _broken("load_query_group", "q_ptr + b * stride_qb + heads[:, None] * stride_qh",
+                          "q_ptr + b * stride_qb + heads[:, None] * stride_qh * 7")
+    results = _by_question(NB.grade({"load_query_group": bad_address}, only={"load_query_group"},
+                                    public_only=True))["load_query_group"]
+    first = next(msg for ok, msg in results if not ok)
+    assert "padding row" not in first and ("address is off" in first or "tile row" in first), first
