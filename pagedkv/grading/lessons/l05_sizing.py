@@ -1,0 +1,364 @@
+"""Checks for lesson 5's exercises (``grading/source/05_sizing_the_pool.ipynb``): the KV page size, vLLM 0.26's
+block count, and a prediction of a model's block count.
+
+Every expected value comes from :mod:`pagedkv.sizing` (itself checked against vLLM 0.26's functions in
+``tests/test_sizing.py``). Each check also computes the answers of the plausible mistakes -- the factor 2 for
+K and V forgotten, query heads instead of KV heads, ``hidden_size // num_attention_heads`` instead of an explicit
+``head_dim``, the total instead of the requested memory, the layers divided twice, the requested memory rounded
+down -- and, when the learner's answer equals one of them, the message names it. Cases come small and known
+first, then randomised (seeded) ones: GQA and MHA, ``head_dim`` different from ``hidden_size //
+num_attention_heads``, FP8, utilizations whose product with the total is not a whole number of bytes. Configs
+are plain dicts (what ``model.config.to_dict()`` gives), so they cross to a sandboxed learner as plain data.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedkv import sizing
+from pagedkv.grading.checks import describe, expect_raises, fail, require_function, run
+
+__all__ = [
+    "PUBLISHED",
+    "check_kv_page_bytes_dtypes",
+    "check_kv_page_bytes_hidden",
+    "check_kv_page_bytes_published",
+    "check_kv_page_bytes_random",
+    "check_num_gpu_blocks_errors",
+    "check_num_gpu_blocks_examples",
+    "check_num_gpu_blocks_hidden",
+    "check_num_gpu_blocks_random",
+    "check_predict_examples",
+    "check_predict_hidden",
+    "expected_blocks",
+    "expected_page",
+    "expected_prediction",
+    "random_config",
+]
+
+GiB = 1 << 30
+
+#: Published shapes (their Hugging Face config.json values): Llama-3.1-8B (GQA 4:1), Llama-2-7B (MHA, no
+#: num_key_value_heads given), Qwen3-0.6B (head_dim 128 while hidden_size // num_attention_heads is 64).
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "Llama-3.1-8B": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                         intermediate_size=14336, vocab_size=128256, dtype="bfloat16"),
+    "Llama-2-7B": dict(num_hidden_layers=32, num_attention_heads=32, hidden_size=4096, intermediate_size=11008,
+                       vocab_size=32000, dtype="float16"),
+    "Qwen3-0.6B": dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       hidden_size=1024, intermediate_size=3072, vocab_size=151936, dtype="bfloat16"),
+}  # fmt: skip
+
+def _is_int(x: Any) -> bool:
+    """An int (numpy integers too), not a bool."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, int) or (type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0
+                                  and x.dtype.kind in "iu")  # fmt: skip
+
+
+def _short(config: dict[str, Any]) -> str:
+    """A config as the message shows it: only the fields sizing reads."""
+    keys = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "dtype")
+    return "{" + ", ".join(f"{k}: {config[k]!r}" for k in keys if k in config) + "}"
+
+
+def random_config(rng: random.Random) -> dict[str, Any]:
+    """A decoder's config: GQA or MHA, sometimes an explicit head_dim different from hidden // heads, a dtype."""
+    kv = rng.choice([1, 2, 4, 8, 16])
+    heads = kv * rng.choice([1, 1, 2, 4, 8])
+    head_dim = rng.choice([32, 64, 80, 96, 128, 256])
+    explicit = rng.random() < 0.5
+    hidden = heads * (rng.choice([d for d in (32, 64, 128, 256) if d != head_dim]) if explicit else head_dim)
+    config: dict[str, Any] = dict(num_hidden_layers=rng.randrange(1, 97), num_attention_heads=heads,
+                                  hidden_size=hidden, intermediate_size=rng.choice([2, 3, 4]) * hidden,
+                                  vocab_size=rng.choice([1000, 32000, 128256]),
+                                  dtype=rng.choice(["float16", "bfloat16", "float32"]))  # fmt: skip
+    if kv != heads or rng.random() < 0.5:
+        config["num_key_value_heads"] = kv  # MHA sometimes leaves it out
+    if explicit:
+        config["head_dim"] = head_dim
+    elif rng.random() < 0.3:
+        config["head_dim"] = None  # transformers writes null when it derives head_dim
+    return config
+
+
+def expected_page(config: dict[str, Any], block_size: int, kv_cache_dtype: Any = "auto") -> int:
+    return sizing.kv_page_bytes(config, block_size, kv_cache_dtype)
+
+
+def _page_mistakes(config: dict[str, Any], block_size: int, kv_cache_dtype: Any) -> list[tuple[int, str]]:
+    shape = sizing.model_shape(config)
+    nbytes = sizing.resolve_kv_cache_dtype(kv_cache_dtype, shape.dtype).itemsize
+    right = 2 * block_size * shape.num_kv_heads * shape.head_dim * nbytes
+    out = [
+        (right // 2, "that is half the answer: a block stores keys AND values, so the page is 2 x block_size x "
+                     "num_kv_heads x head_dim x bytes"),
+        (right * shape.num_layers, "that is the page of every layer together: kv_page_bytes is ONE layer's page "
+                                   "(vLLM divides by the number of layers separately)"),
+        (2 * block_size * shape.num_attention_heads * shape.head_dim * nbytes,
+         "you used num_attention_heads: only the KV heads are cached (num_key_value_heads; GQA shares each among "
+         "several query heads)"),
+        (right * 8, "that counts bits, not bytes"),
+    ]  # fmt: skip
+    if shape.hidden_size % shape.num_attention_heads == 0:
+        derived = shape.hidden_size // shape.num_attention_heads
+        out.append((2 * block_size * shape.num_kv_heads * derived * nbytes,
+                    f"you used hidden_size // num_attention_heads = {derived}: an explicit head_dim "
+                    f"({shape.head_dim}) wins"))  # fmt: skip
+    if kv_cache_dtype == "auto":
+        out.append((2 * block_size * shape.num_kv_heads * shape.head_dim * 2,
+                    f"'auto' means the config's dtype ({config.get('dtype')}), not always 2 bytes"))  # fmt: skip
+    if kv_cache_dtype == "fp8":
+        out.append((right * 2, "fp8 stores 1 byte per value"))
+    return [(v, m) for v, m in out if v != right]
+
+
+def _expect_int(got: Any, expected: int, call: str, mistakes: list[tuple[int, str]]) -> None:
+    if _is_int(got) and int(got) == expected:
+        return
+    message = f"{call} returned {describe(got)}, expected {expected}"
+    if got is None:
+        fail(message + ". Is the function still the stub (...), or is a `return` missing?")
+    if not _is_int(got):
+        if isinstance(got, float) and got == expected:
+            fail(message + f" (a {type(got).__name__}: return an int; use // rather than /)")
+        fail(message + f" (expected an int, got {type(got).__name__})")
+    hints = list(dict.fromkeys(why for value, why in mistakes if int(got) == value))
+    if hints:
+        text = "; or ".join(hints)  # several mistakes can give the same number
+        fail(f"{message}. Hint: {text}{'' if text.endswith('?') else '.'}")
+    fail(message + ".")
+
+
+def _check_page(kv_page_bytes: Callable, config: dict[str, Any], block_size: int, dtype: Any) -> None:
+    call = f"kv_page_bytes({_short(config)}, {block_size}, {describe(dtype)})"
+    got = run(kv_page_bytes, (dict(config), block_size, dtype), name="kv_page_bytes", timeout=2)
+    _expect_int(got, expected_page(config, block_size, dtype), call, _page_mistakes(config, block_size, dtype))
+
+
+def check_kv_page_bytes_published(kv_page_bytes: Any) -> None:
+    """The three published shapes, in their own dtype and in FP8 (1 point)."""
+    require_function(kv_page_bytes, "kv_page_bytes")
+    for config in PUBLISHED.values():
+        for block_size in (16, 1, 32):
+            for dtype in ("auto", "fp8"):
+                _check_page(kv_page_bytes, config, block_size, dtype)
+
+
+def check_kv_page_bytes_random(kv_page_bytes: Any) -> None:
+    """Random GQA/MHA configs with and without an explicit head_dim (1 point)."""
+    require_function(kv_page_bytes, "kv_page_bytes")
+    rng = random.Random(5005)
+    for _ in range(150):
+        config = random_config(rng)
+        _check_page(kv_page_bytes, config, rng.choice([1, 8, 16, 32, 64]), rng.choice(["auto", "fp16", "bf16"]))
+
+
+def check_kv_page_bytes_dtypes(kv_page_bytes: Any) -> None:
+    """Every dtype name, torch dtypes, and an unknown dtype refused (1 point)."""
+    require_function(kv_page_bytes, "kv_page_bytes")
+    config = PUBLISHED["Llama-3.1-8B"]
+    for dtype in ("fp16", "bf16", "fp32", "fp8", torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn):
+        _check_page(kv_page_bytes, config, 16, dtype)
+    for bad in ("int4", "fp4", "e4m3"):
+        expect_raises(ValueError, kv_page_bytes, (dict(config), 16, bad), name="kv_page_bytes",
+                      why=f"{bad!r} is not a KV cache dtype", timeout=2)  # fmt: skip
+
+
+def check_kv_page_bytes_hidden(kv_page_bytes: Any) -> None:
+    """More random configs (another seed), every dtype, block sizes up to 256 (hidden, 1 point)."""
+    require_function(kv_page_bytes, "kv_page_bytes")
+    rng = random.Random(8128)
+    for _ in range(300):
+        config = random_config(rng)
+        dtype = rng.choice(["auto", "fp16", "bf16", "fp32", "fp8", torch.float16, torch.float8_e4m3fn])
+        _check_page(kv_page_bytes, config, rng.choice([1, 2, 16, 128, 256]), dtype)
+
+
+# --- num_gpu_blocks ------------------------------------------------------------------------------------------
+
+
+def expected_blocks(*args: int | float) -> int:
+    return sizing.num_gpu_blocks(*args)
+
+
+def _blocks_mistakes(total, util, weights, act, non_torch, cudagraph, page, layers) -> list[tuple[int, str]]:
+    requested = math.ceil(total * util)
+    non_kv = weights + act + non_torch + cudagraph
+    available = requested - non_kv
+    out = [
+        ((total - non_kv) // page // layers,
+         "you subtracted from the total memory: vLLM subtracts from the REQUESTED memory, ceil(total x "
+         "utilization)"),
+        (available // page // layers // layers, "you divided by the number of layers twice"),
+        (available // page, "divide by the number of layers too: page_bytes is one layer's page, and every layer "
+                            "stores its own copy of each block"),
+        ((math.floor(total * util) - non_kv) // page // layers,
+         "round the requested memory UP: vLLM takes math.ceil(total * utilization)"),
+        (available // (2 * page) // layers, "page_bytes already counts keys and values: do not multiply by 2 again"),
+        ((requested - non_kv + cudagraph) // page // layers, "subtract the CUDA-graph memory too"),
+        ((requested - non_kv + non_torch) // page // layers, "subtract the non-torch memory too"),
+        ((requested - non_kv + act) // page // layers, "subtract the peak activation memory too"),
+        (round(available / page / layers), "use floor division (//): a partial block cannot be allocated"),
+    ]  # fmt: skip
+    right = available // page // layers
+    return [(v, m) for v, m in out if v != right]
+
+
+def _check_blocks(num_gpu_blocks: Callable, args: tuple) -> None:
+    names = ("total", "utilization", "weights", "peak_activation", "non_torch", "cudagraph", "page_bytes",
+             "num_layers")  # fmt: skip
+    call = "num_gpu_blocks(" + ", ".join(f"{n}={a!r}" for n, a in zip(names, args, strict=True)) + ")"
+    got = run(num_gpu_blocks, args, name="num_gpu_blocks", timeout=2)
+    _expect_int(got, expected_blocks(*args), call, _blocks_mistakes(*args))
+
+
+#: Known cases: an 80 GiB GPU serving Llama-3.1-8B in bf16 (page 65,536 bytes, 32 layers), a 24 GiB one, and
+#: a small budget where 0.92 x total is not a whole number of bytes.
+_EXAMPLES = [
+    (80 * GiB, 0.92, 16_060_522_496, 2 * GiB, GiB // 2, GiB // 4, 65536, 32),
+    (24 * GiB, 0.92, 16_060_522_496, GiB, 300 << 20, 200 << 20, 65536, 32),
+    (1_000_003, 0.9, 10_000, 20_000, 3_000, 0, 1024, 4),
+    (1_000_003, 0.9, 80_803, 0, 0, 0, 1024, 4),  # ceil(900_002.7) - 80_803 = 200 blocks of 4 x 1024 exactly
+    (512 << 20, 0.92, 558_400, 5_767_168, 0, 0, 4096, 2),
+]
+
+
+def check_num_gpu_blocks_examples(num_gpu_blocks: Any) -> None:
+    """Worked cases (1 point)."""
+    require_function(num_gpu_blocks, "num_gpu_blocks")
+    for args in _EXAMPLES:
+        _check_blocks(num_gpu_blocks, args)
+
+
+def _random_blocks_args(rng: random.Random) -> tuple:
+    total = rng.choice([rng.randrange(1 << 20, 200 * GiB), rng.choice([24, 40, 80, 141]) * GiB])
+    util = rng.choice([0.5, 0.8, 0.9, 0.92, 0.95, 1.0, round(rng.uniform(0.3, 1.0), 3)])
+    requested = math.ceil(total * util)
+    budget = rng.randrange(0, requested // 2 + 1)
+    parts = sorted(rng.randrange(0, budget + 1) for _ in range(3))
+    weights, act, non_torch = parts[0], parts[1] - parts[0], parts[2] - parts[1]
+    cudagraph = rng.randrange(0, max(1, (requested - parts[2]) // 4))
+    config = random_config(rng)
+    page = expected_page(config, rng.choice([1, 16, 32]), rng.choice(["auto", "fp8"]))
+    layers = config["num_hidden_layers"]
+    if rng.random() < 0.3 and total * util != requested:
+        # land exactly on a block boundary, where rounding the requested memory down loses a block
+        k = rng.randrange(1, max(2, (requested - act - non_torch - cudagraph) // (page * layers)))
+        weights = max(0, requested - act - non_torch - cudagraph - k * page * layers)
+    return (total, util, weights, act, non_torch, cudagraph, page, layers)
+
+
+def check_num_gpu_blocks_random(num_gpu_blocks: Any) -> None:
+    """Random figures, exact integer agreement with vLLM 0.26's arithmetic (1 point)."""
+    require_function(num_gpu_blocks, "num_gpu_blocks")
+    rng = random.Random(2605)
+    for _ in range(300):
+        _check_blocks(num_gpu_blocks, _random_blocks_args(rng))
+
+
+def check_num_gpu_blocks_errors(num_gpu_blocks: Any) -> None:
+    """Utilization outside (0, 1], negative figures, and non-KV memory over the request refused (1 point)."""
+    require_function(num_gpu_blocks, "num_gpu_blocks")
+    _check_blocks(num_gpu_blocks, _EXAMPLES[0])
+    good = list(_EXAMPLES[0])
+    for util in (0, 0.0, -0.1, 1.01, 1.5):
+        args = tuple(good[:1] + [util] + good[2:])
+        expect_raises(ValueError, num_gpu_blocks, args, name="num_gpu_blocks",
+                      why=f"gpu_memory_utilization {util} is outside (0, 1]", timeout=2)  # fmt: skip
+    for i, name in enumerate(("weights", "peak_activation", "non_torch", "cudagraph"), start=2):
+        args = tuple(good[:i] + [-1] + good[i + 1 :])
+        expect_raises(ValueError, num_gpu_blocks, args, name="num_gpu_blocks", why=f"a negative {name}", timeout=2)
+    requested = math.ceil(80 * GiB * 0.92)
+    over = (80 * GiB, 0.92, requested, 1, 0, 0, 65536, 32)  # 1 byte over: nothing left for the cache
+    expect_raises(ValueError, num_gpu_blocks, over, name="num_gpu_blocks",
+                  why="the non-KV memory exceeds the requested memory", timeout=2)  # fmt: skip
+    exact = (80 * GiB, 0.92, requested - 1, 1, 0, 0, 65536, 32)  # exactly the request: 0 bytes left, vLLM refuses
+    expect_raises(ValueError, num_gpu_blocks, exact, name="num_gpu_blocks",
+                  why="nothing is left for the KV cache (vLLM refuses available <= 0)", timeout=2)  # fmt: skip
+
+
+def check_num_gpu_blocks_hidden(num_gpu_blocks: Any) -> None:
+    """More random figures, another seed (hidden, 1 point)."""
+    require_function(num_gpu_blocks, "num_gpu_blocks")
+    rng = random.Random(9091)
+    for _ in range(500):
+        _check_blocks(num_gpu_blocks, _random_blocks_args(rng))
+
+
+# --- predict_num_gpu_blocks ----------------------------------------------------------------------------------
+
+
+def expected_prediction(config, weights_bytes, max_num_batched_tokens, total_memory, utilization, block_size,
+                        kv_cache_dtype) -> int:  # fmt: skip
+    """What vLLM's arithmetic gives on a CPU profile: estimated activations, no non-torch or CUDA-graph memory."""
+    peak = sizing.estimate_peak_activation(config, max_num_batched_tokens)
+    page = sizing.kv_page_bytes(config, block_size, kv_cache_dtype)
+    return sizing.num_gpu_blocks(total_memory, utilization, weights_bytes, peak, 0, 0, page,
+                                 config["num_hidden_layers"])  # fmt: skip
+
+
+def _check_prediction(predict: Callable, args: tuple) -> None:
+    config, weights, tokens, total, util, block_size, dtype = args
+    call = (f"predict_num_gpu_blocks({_short(config)}, weights_bytes={weights}, max_num_batched_tokens={tokens}, "
+            f"total_memory={total}, gpu_memory_utilization={util}, block_size={block_size}, "
+            f"kv_cache_dtype={describe(dtype)})")  # fmt: skip
+    got = run(predict, (dict(config), weights, tokens, total, util, block_size, dtype),
+              name="predict_num_gpu_blocks", timeout=5)  # fmt: skip
+    expected = expected_prediction(*args)
+    peak = sizing.estimate_peak_activation(config, tokens)
+    page = expected_page(config, block_size, dtype)
+    layers = config["num_hidden_layers"]
+    mistakes = [
+        (sizing.num_gpu_blocks(total, util, weights, peak, 0, 0, page // 2, layers),
+         "twice the blocks: did your page size forget the factor 2 for keys and values?"),
+        (sizing.num_gpu_blocks(total, util, weights, 0, 0, 0, page, layers),
+         "subtract the peak activations too (sizing.estimate_peak_activation(config, max_num_batched_tokens))"),
+        *_blocks_mistakes(total, util, weights, peak, 0, 0, page, layers),
+    ]  # fmt: skip
+    _expect_int(got, expected, call, [(v, m) for v, m in mistakes if v != expected])
+
+
+def _lesson7_config() -> dict[str, Any]:
+    return dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                intermediate_size=128, vocab_size=512, dtype="float32")  # fmt: skip
+
+
+def check_predict_examples(predict_num_gpu_blocks: Any) -> None:
+    """The tiny CPU model against a 512 MiB budget, Llama-3.1-8B on 80 GiB and 24 GiB GPUs (1 point)."""
+    require_function(predict_num_gpu_blocks, "predict_num_gpu_blocks")
+    llama = PUBLISHED["Llama-3.1-8B"]
+    cases = [
+        (_lesson7_config(), 558_400, 2048, 512 << 20, 0.92, 16, "auto"),
+        (llama, 16_060_522_496, 8192, 80 * GiB, 0.92, 16, "auto"),
+        (llama, 16_060_522_496, 8192, 24 * GiB, 0.92, 16, "fp8"),
+        (PUBLISHED["Qwen3-0.6B"], 1_503_264_768, 4096, 24 * GiB, 0.9, 32, "auto"),
+    ]
+    for args in cases:
+        _check_prediction(predict_num_gpu_blocks, args)
+
+
+def check_predict_hidden(predict_num_gpu_blocks: Any) -> None:
+    """Random configs, budgets and dtypes (hidden, 1 point)."""
+    require_function(predict_num_gpu_blocks, "predict_num_gpu_blocks")
+    rng = random.Random(31337)
+    done = 0
+    while done < 60:
+        config = random_config(rng)
+        tokens = rng.choice([256, 1024, 2048, 8192])
+        weights = rng.randrange(0, 4 * GiB)
+        total = rng.choice([512 << 20, 8 * GiB, 24 * GiB, 80 * GiB])
+        args = (config, weights, tokens, total, rng.choice([0.5, 0.9, 0.92]), rng.choice([8, 16, 32]),
+                rng.choice(["auto", "fp8", "bf16"]))  # fmt: skip
+        try:
+            expected_prediction(*args)
+        except ValueError:
+            continue  # nothing left for the cache: not a case for this check
+        _check_prediction(predict_num_gpu_blocks, args)
+        done += 1
