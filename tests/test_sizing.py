@@ -374,3 +374,155 @@ def test_profile_on_cuda_is_measured(tiny_llama):
         assert "measured" in str(p)
     finally:
         tiny_llama.to("cpu", torch.float32)
+
+
+# --- exercise set 05's checks (pagedkv.grading.lessons.l05_sizing) --------------------------------------------
+
+
+def _answers():
+    """A learner's correct answers, written plainly (not the library's)."""
+    names = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+    def kv_page_bytes(config, block_size, kv_cache_dtype="auto"):
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        if isinstance(kv_cache_dtype, torch.dtype):
+            dtype = kv_cache_dtype
+        elif kv_cache_dtype == "auto":
+            dtype = getattr(torch, config.get("dtype") or "float32")
+        elif kv_cache_dtype in names:
+            dtype = names[kv_cache_dtype]
+        else:
+            raise ValueError(kv_cache_dtype)
+        return 2 * block_size * kv_heads * head_dim * dtype.itemsize
+
+    def num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes, num_layers):
+        if not 0 < utilization <= 1 or min(total, weights, peak_activation, non_torch, cudagraph) < 0:
+            raise ValueError("bad input")
+        available = math.ceil(total * utilization) - (non_torch + peak_activation + weights) - cudagraph
+        if available <= 0:
+            raise ValueError("nothing left")
+        return available // page_bytes // num_layers
+
+    def predict(config, weights, tokens, total, utilization=0.92, block_size=16, kv_cache_dtype="auto"):
+        peak = sizing.estimate_peak_activation(config, tokens)
+        page = kv_page_bytes(config, block_size, kv_cache_dtype)
+        return num_gpu_blocks(total, utilization, weights, peak, 0, 0, page, config["num_hidden_layers"])
+
+    return kv_page_bytes, num_gpu_blocks, predict
+
+
+def _checks(prefix: str):
+    from pagedkv.grading.lessons import l05_sizing
+
+    return [getattr(l05_sizing, n) for n in l05_sizing.__all__ if n.startswith(prefix)]
+
+
+def _named(*names: str):
+    from pagedkv.grading.lessons import l05_sizing
+
+    return [getattr(l05_sizing, f"check_{n}") for n in names]
+
+
+def _fails(check, fn, *phrases: str) -> str:
+    with pytest.raises(AssertionError) as err:
+        check(fn)
+    message = str(err.value)
+    for phrase in phrases:
+        assert phrase in message, f"{check.__name__}: {phrase!r} not in {message!r}"
+    return message
+
+
+def test_l05_checks_pass_a_correct_answer():
+    kv_page_bytes_, num_gpu_blocks_, predict = _answers()
+    for check in _checks("check_kv_page_bytes"):
+        check(kv_page_bytes_)
+    for check in _checks("check_num_gpu_blocks"):
+        check(num_gpu_blocks_)
+    for check in _checks("check_predict"):
+        check(predict)
+
+
+def _stub(*args, **kwargs): ...
+
+
+@pytest.mark.parametrize("prefix", ["check_kv_page_bytes", "check_num_gpu_blocks", "check_predict"])
+def test_l05_checks_fail_the_stub_and_hard_coded_answers(prefix):
+    for check in _checks(prefix):
+        _fails(check, _stub, "stub")
+        _fails(check, lambda *a, **k: 65536, "expected")
+        _fails(check, lambda *a, **k: 28616, "expected")
+
+
+def test_l05_kv_page_bytes_mistakes_are_named():
+    right, _, _ = _answers()
+
+    def without_kv_heads(c, b, d="auto"):
+        return right({**c, "num_key_value_heads": None}, b, d)
+
+    def derived_head_dim(c, b, d="auto"):
+        return right({**c, "head_dim": None}, b, d)
+
+    published, random_, dtypes, hidden = _named("kv_page_bytes_published", "kv_page_bytes_random",
+                                                 "kv_page_bytes_dtypes", "kv_page_bytes_hidden")  # fmt: skip
+    for check in (published, random_, hidden):
+        _fails(check, lambda c, b, d="auto": right(c, b, d) // 2, "keys AND values")  # forgot the 2
+    _fails(published, without_kv_heads, "num_attention_heads")
+    _fails(published, derived_head_dim, "explicit head_dim (128) wins")
+    _fails(random_, derived_head_dim, "explicit head_dim")
+    _fails(published, lambda c, b, d="auto": right(c, b, d) * c["num_hidden_layers"], "ONE layer")
+    _fails(published, lambda c, b, d="auto": right(c, b, "fp16" if d == "fp8" else d), "1 byte")
+
+    def silent(c, b, d="auto"):
+        try:
+            return right(c, b, d)
+        except ValueError:
+            return 0
+
+    _fails(dtypes, silent, "not a KV cache dtype")
+
+
+def test_l05_num_gpu_blocks_mistakes_are_named():
+    _, right, _ = _answers()
+
+    def from_total(total, u, w, a, n, c, p, layers):
+        right(total, u, w, a, n, c, p, layers)
+        return (total - w - a - n - c) // p // layers
+
+    def layers_twice(total, u, w, a, n, c, p, layers):
+        return right(total, u, w, a, n, c, p, layers) // layers
+
+    def rounded_down(total, u, w, a, n, c, p, layers):
+        right(total, u, w, a, n, c, p, layers)
+        return (int(total * u) - w - a - n - c) // p // layers
+
+    def no_cudagraph(total, u, w, a, n, c, p, layers):
+        return right(total, u, w, a, n, 0, p, layers)
+
+    def never_raises(total, u, w, a, n, c, p, layers):
+        return max(0, (math.ceil(total * u) - w - a - n - c) // p // layers)
+
+    examples, random_, errors, hidden = _named("num_gpu_blocks_examples", "num_gpu_blocks_random",
+                                               "num_gpu_blocks_errors", "num_gpu_blocks_hidden")  # fmt: skip
+    for fn, phrase in [(from_total, "REQUESTED"), (layers_twice, "layers twice"), (rounded_down, "round the requested"),
+                       (no_cudagraph, "CUDA-graph")]:  # fmt: skip
+        for check in (examples, random_, hidden):
+            _fails(check, fn, phrase)
+    _fails(errors, never_raises, "raise ValueError")
+
+
+def test_l05_predict_mistakes_are_named():
+    page, blocks, _ = _answers()
+
+    def forgot_2(config, weights, tokens, total, u=0.92, b=16, d="auto"):
+        peak = sizing.estimate_peak_activation(config, tokens)
+        return blocks(total, u, weights, peak, 0, 0, page(config, b, d) // 2, config["num_hidden_layers"])
+
+    def no_activations(config, weights, tokens, total, u=0.92, b=16, d="auto"):
+        return blocks(total, u, weights, 0, 0, 0, page(config, b, d), config["num_hidden_layers"])
+
+    examples, hidden = _named("predict_examples", "predict_hidden")
+    for check in (examples, hidden):
+        _fails(check, forgot_2, "factor 2")
+    _fails(examples, no_activations, "peak activations")
