@@ -10,7 +10,7 @@ A step's time is the larger of its compute time (FLOPs over the GPU's usable FLO
 
 A decode step (one token per request) moves all the weights to produce B tokens: memory-bound, so its time
 barely grows with B until the KV reads catch up; a prefill chunk of thousands of tokens is compute-bound.
-That is the card's chain: more sequences in the batch amortise the weights over more tokens.
+That is the source card's chain: more sequences in the batch amortise the weights over more tokens.
 
 Parameters (edit them to model another machine; every number below is a stated assumption):
 
