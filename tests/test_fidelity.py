@@ -44,6 +44,7 @@ WRONG_PHRASES = [
     r"used between branches of one request, not between strangers",  # hybrid models share partial blocks
     r"hash the request's full blocks, walk the chain",  # vLLM hashes on Request creation and append
     r"→ the scheduler's `blocks_to_copy`",  # V1 has no fork; blocks_to_copy is the lab's (vLLM V0's)
+    r"as vLLM and flash-attn lay it out",  # vLLM 0.26's FlashAttention packs K and V in one tensor per layer
     r"the lab's (?:second )?target",
     r"\(target [<>]=",
 ]
