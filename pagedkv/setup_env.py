@@ -3,11 +3,13 @@
 Every lesson starts with a short set-up cell (``tools/colab_cells.py`` writes it). Where ``pagedkv`` cannot be
 imported yet — Colab, or a kernel that is not the lab's ``.venv`` — the cell downloads this file and runs it as
 a script, ``python - install``, which finds the repository (the clone the notebook sits in, or a previous
-download) or clones it, and ``pip install``\\ s it into the running kernel's interpreter. So this file uses the
-standard library only and must run on its own, outside the package. Then the cell calls ``prepare()``, which
-moves into the repository's ``notebooks/`` folder when the notebook was opened from elsewhere (Colab opens it
-straight from GitHub), so the lessons' relative paths work, and prints one line about the machine: the
-device, and the dtype the GPU kernels use there (bf16 from Ampere on; a T4 has no bf16, so fp16).
+download) or clones it, and ``pip install -e``\\ s it into the running kernel's interpreter. So this file uses
+the standard library only and must run on its own, outside the package. The cell then loads the new install
+into the running kernel (``site.addsitedir`` runs the install's ``.pth`` hook, which Python otherwise reads
+only at start-up) and calls ``prepare()``, which moves into the repository's ``notebooks/`` folder when the
+notebook was opened from elsewhere (Colab opens it straight from GitHub), so the lessons' relative paths
+work, and prints one line about the machine: the device, and the dtype the GPU kernels use there (bf16 from
+Ampere on; a T4 has no bf16, so fp16).
 
 There is no vLLM counterpart; vLLM is installed with pip and has no notebooks.
 """
@@ -64,15 +66,15 @@ def install_commands(cwd: Path, python: str, repo_url: str = REPO_URL, branch: s
     """The commands that put the lab into ``python``'s environment, run from ``cwd``: clone it into
     ``cwd/pagedkv-lab`` unless ``cwd`` lies in a checkout (or one is there already), then ``pip install`` it.
 
-    The install is not editable: an editable install of this layout (``kernels/`` mapped to ``pagedkv.kernels``)
-    is found through an import hook that a running kernel only loads on restart, while a plain install can be
-    imported at once. torch is left as it is when the environment has one (Colab's matches its GPU)."""
+    The install is editable, so the package runs from the checkout: the exercise checks find their tests
+    beside it (``grading/autograder/``), as ``pagedkv.grading.build.repo_root`` expects. torch is left as it
+    is when the environment has one (Colab's matches its GPU)."""
     root = find_repo_root(cwd)
     commands: list[list[str]] = []
     if root is None:
         root = cwd.resolve() / CLONE_DIR
         commands.append(["git", "clone", "--quiet", "--depth=1", f"--branch={branch}", repo_url, str(root)])
-    commands.append([python, "-m", "pip", "install", "--quiet", str(root)])
+    commands.append([python, "-m", "pip", "install", "--quiet", "-e", str(root)])
     return commands
 
 

@@ -8,6 +8,7 @@ Colab and the GPU are stand-ins.
 from __future__ import annotations
 
 import importlib.util
+import site
 import subprocess
 import sys
 import types
@@ -46,7 +47,7 @@ def fake_checkout(path: Path) -> Path:
 # --- finding or cloning the repository, and installing it -------------------------------------------------
 def test_this_repository_is_found_from_inside_it() -> None:
     assert find_repo_root(ROOT / "notebooks") == ROOT
-    assert install_commands(ROOT / "notebooks", "/py") == [["/py", "-m", "pip", "install", "--quiet", str(ROOT)]]
+    assert install_commands(ROOT / "notebooks", "/py") == [["/py", "-m", "pip", "install", "--quiet", "-e", str(ROOT)]]
 
 
 def test_outside_a_checkout_the_lab_is_cloned_then_installed(tmp_path: Path) -> None:
@@ -55,14 +56,14 @@ def test_outside_a_checkout_the_lab_is_cloned_then_installed(tmp_path: Path) -> 
     dest = str(tmp_path / "pagedkv-lab")
     assert cmds == [
         ["git", "clone", "--quiet", "--depth=1", "--branch=main", "https://github.com/o/r", dest],
-        ["/py", "-m", "pip", "install", "--quiet", dest],
+        ["/py", "-m", "pip", "install", "--quiet", "-e", dest],
     ]
 
 
 def test_a_previous_clone_is_reused(tmp_path: Path) -> None:
     root = fake_checkout(tmp_path / "pagedkv-lab")
     assert find_repo_root(tmp_path) == root
-    assert install_commands(tmp_path, "/py") == [["/py", "-m", "pip", "install", "--quiet", str(root)]]
+    assert install_commands(tmp_path, "/py") == [["/py", "-m", "pip", "install", "--quiet", "-e", str(root)]]
 
 
 def test_main_runs_the_commands_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -84,7 +85,7 @@ def test_the_script_runs_on_its_own_from_stdin(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr.decode()
     out = proc.stdout.decode()
     assert f"+ git clone --quiet --depth=1 --branch=main https://github.com/o/r {tmp_path / 'pagedkv-lab'}" in out
-    assert f"-m pip install --quiet {tmp_path / 'pagedkv-lab'}" in out
+    assert f"-m pip install --quiet -e {tmp_path / 'pagedkv-lab'}" in out
 
 
 def test_raw_url() -> None:
@@ -137,7 +138,7 @@ def test_prepare_reports_this_machine(capsys) -> None:
 # --- the set-up cell and the badge -----------------------------------------------------------------------
 def test_the_set_up_cell_installs_through_the_script_when_pagedkv_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     source = colab_cells.setup_cell_source()
-    assert len(source.splitlines()) <= 16, "the cell stays short: the logic lives in pagedkv/setup_env.py"
+    assert len(source.splitlines()) <= 20, "the cell stays short: the logic lives in pagedkv/setup_env.py"
     fetched: list[str] = []
     ran: list[tuple[list[str], dict[str, Any]]] = []
 
@@ -155,10 +156,14 @@ def test_the_set_up_cell_installs_through_the_script_when_pagedkv_is_missing(mon
     monkeypatch.setattr(urllib.request, "urlopen", Response)
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append((cmd, kw)))
     monkeypatch.setattr(setup_env, "_device", lambda: ("CPU", None))
+    loaded: list[str] = []
+    monkeypatch.setattr(site, "getsitepackages", lambda: ["/site-a", "/site-b"])
+    monkeypatch.setattr(site, "addsitedir", loaded.append)
     namespace: dict[str, Any] = {}
     exec(compile(source, "<set-up cell>", "exec"), namespace)
     assert fetched == [raw_url("pagedkv/setup_env.py", REPO_URL)]
     assert ran == [([sys.executable, "-", "install"], {"input": SCRIPT.read_bytes(), "check": True})]
+    assert loaded == ["/site-a", "/site-b"], "the new install's .pth hooks are run in the kernel"
     assert namespace["report"].dtype == "float32"
 
 

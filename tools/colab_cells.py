@@ -49,6 +49,7 @@ def setup_cell_source() -> str:
 # fetches its set-up script, which clones the repository and pip-installs it (about a minute).
 # Elsewhere it only checks the machine.
 import importlib.util
+import site
 import subprocess
 import sys
 import urllib.request
@@ -56,7 +57,8 @@ import urllib.request
 if importlib.util.find_spec("pagedkv") is None:
     script = urllib.request.urlopen("{raw_url("pagedkv/setup_env.py")}").read()
     subprocess.run([sys.executable, "-", "install"], input=script, check=True)
-    importlib.invalidate_caches()
+    for path in site.getsitepackages():  # load the new install without restarting the kernel
+        site.addsitedir(path)
 from pagedkv.setup_env import prepare
 
 report = prepare()"""
