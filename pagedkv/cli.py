@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "prefix_cache": "pagedkv.benchmarks.prefix_cache",  # lesson 3: lookup and hashing cost
     "scheduling": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator
     "kernels": "pagedkv.kernels.bench",  # lesson 6: decode kernels (tiny interpreter run on a CPU)
+    "engine": "pagedkv.benchmarks.engine",  # lesson 7: HF generate / static batch / generate_batch vs the engine
 }
 
 
