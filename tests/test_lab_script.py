@@ -117,7 +117,7 @@ def test_unknown_command_says_so_and_prints_the_usage(fake_venv: Path) -> None:
 def test_help_prints_the_usage(fake_venv: Path, arg: str) -> None:
     r = run_lab(arg, venv=fake_venv)
     assert r.returncode == 0 and r.stdout.startswith("usage: ./lab")
-    for cmd in ("open", "test", "grade", "exercises", "bench", "parity", "lint", "torch"):
+    for cmd in ("open", "setup", "test", "grade", "exercises", "bench", "parity", "lint", "torch"):
         assert f"\n  {cmd} " in r.stdout, cmd
 
 
@@ -129,6 +129,7 @@ def test_help_prints_the_usage(fake_venv: Path, arg: str) -> None:
         (["exercises", "02"], "pagedkv build-exercises 02"),
         (["bench", "engine"], "pagedkv bench engine"),
         (["lint"], "ruff check ."),
+        (["setup"], "python -m pip install -q -e .[dev]"),
     ],
 )
 def test_commands_run_their_tool_after_set_up(fake_venv: Path, args: list[str], expected: str) -> None:
