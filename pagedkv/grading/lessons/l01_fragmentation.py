@@ -1,9 +1,11 @@
-"""Checks for lesson 1's exercise ``paged_admission`` (``grading/source/01_fragmentation.ipynb``, question 3).
+"""Checks for lesson 1's exercises (``grading/source/01_fragmentation.ipynb``).
 
-The points follow the parts of the contract, so a learner sees which part is wrong and keeps the points of the
-others: the FCFS walk and the skip walk on cases where no sequence fits exactly (1 point each), the boundary
-(a sequence that needs exactly the blocks still free fits: ``<=``, not ``<``; 1 point, with a hint that names
-it), the refusals and the untouched argument (1 point), and a hidden random sweep (1 point).
+Each ``check_*`` function is one test case of the set: the source's test cell calls it with the learner's function
+(looked up by name in the notebook). The points follow the parts of each contract, so that a learner sees which
+part is wrong and keeps the points of the others. For ``paged_admission``: the FCFS walk and the skip walk on cases
+where no sequence fits exactly (1 point each), the boundary (a sequence that needs exactly the blocks still free
+fits: ``<=``, not ``<``; 1 point, with a hint that names it), the refusals and the untouched argument (1 point),
+and a hidden random sweep (1 point).
 """
 
 from __future__ import annotations
@@ -12,16 +14,25 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from pagedkv.grading.checks import expect_equal, expect_raises, fail, require_function, run
 
 __all__ = [
     "SEED_LENS",
     "admitted",
+    "check_blocks_needed_examples",
+    "check_blocks_needed_hidden",
+    "check_blocks_needed_random",
+    "check_contiguous_capacity_examples",
+    "check_contiguous_capacity_hidden",
     "check_paged_admission_boundary",
     "check_paged_admission_errors",
     "check_paged_admission_fcfs",
     "check_paged_admission_hidden",
     "check_paged_admission_skip",
+    "check_waste_percent_examples",
+    "check_waste_percent_hidden",
 ]
 
 #: The lesson's sixteen sequences (a pool of 128 blocks of 16: FCFS admits 13, skip 14).
@@ -142,3 +153,122 @@ def check_paged_admission_hidden(paged_admission: Any, seed: int = 99991) -> Non
                   why="an unknown policy", timeout=2)
     expect_raises(ValueError, paged_admission, ([-5], 4, 16, "fcfs"), name="paged_admission",
                   why="a negative length", timeout=2)
+
+
+def waste_reference(lens, b):
+    reserved = sum(-(-n // b) * b for n in lens)
+    return 0.0 if reserved == 0 else 100.0 * (reserved - sum(lens)) / reserved
+
+
+def check_blocks_needed_examples(blocks_needed):
+    require_function(blocks_needed, "blocks_needed")
+
+    def hint(n, b):
+        def explain(got):
+            if n % b and got == n // b:
+                return (f"{got} is {n} // {b}, rounded down: the {n % b} tokens left over still need a "
+                        "block of their own, so round up")
+            if n % b == 0 and got == n // b + 1:
+                return f"{n} is an exact multiple of {b}: no partly filled block, so no extra block"
+            return None
+        return explain
+
+    cases = [(40, 16), (0, 16), (1, 16), (16, 16), (17, 16), (32, 16), (512, 16), (420, 16), (5, 1), (1, 256)]
+    for n, b in cases:
+        expect_equal(blocks_needed, (n, b), -(-n // b), hint=hint(n, b), timeout=2)
+    expect_raises(ValueError, blocks_needed, (-1, 16), why="a negative token count", timeout=2)
+    expect_raises(ValueError, blocks_needed, (10, 0), why="block_size 0", timeout=2)
+    expect_raises(ValueError, blocks_needed, (10, -16), why="a negative block_size", timeout=2)
+
+
+def check_blocks_needed_random(blocks_needed):
+    require_function(blocks_needed, "blocks_needed")
+    # Every small case first (so the first failure reported is a small one), then random larger ones.
+    cases = [(n, b) for b in range(1, 20) for n in range(0, 3 * b + 2)]
+    rng = random.Random(101)
+    cases += [(rng.randrange(0, 200_000), rng.choice([1, 2, 3, 7, 8, 16, 32, 100, 256])) for _ in range(300)]
+    for n, b in cases:
+        expect_equal(blocks_needed, (n, b), -(-n // b), timeout=2)
+
+
+def check_blocks_needed_hidden(blocks_needed):
+    require_function(blocks_needed, "blocks_needed")
+    rng = random.Random(7919)
+    for _ in range(300):
+        b = rng.randrange(1, 600)
+        n = rng.choice([0, b, 2 * b, 5 * b - 1, 5 * b + 1, rng.randrange(0, 5_000_000)])
+        expect_equal(blocks_needed, (n, b), -(-n // b), timeout=2)
+    # numpy integers (what a length array yields) work like ints
+    expect_equal(blocks_needed, (np.int64(300), 16), 19, timeout=2)
+    expect_equal(blocks_needed, (3, 4096), 1, timeout=2)
+    expect_raises(ValueError, blocks_needed, (-100, 1), why="a negative token count", timeout=2)
+    expect_raises(ValueError, blocks_needed, (0, 0), why="block_size 0", timeout=2)
+
+
+def check_contiguous_capacity_examples(contiguous_capacity):
+    require_function(contiguous_capacity, "contiguous_capacity")
+
+    def hint(pool, max_len, b):
+        per_seq = -(-max_len // b)
+        def explain(got):
+            if max_len % b and per_seq > 1 and got == pool // (max_len // b):
+                return (f"each sequence reserves ceil({max_len} / {b}) = {per_seq} blocks, not "
+                        f"{max_len // b}: check blocks_needed")
+            if got == pool * b // max_len:
+                return f"count whole blocks per sequence ({per_seq}), not tokens: a reservation is whole blocks"
+            return f"each sequence reserves {per_seq} blocks; {pool} blocks hold {pool // per_seq} of them"
+        return explain
+
+    cases = [(128, 512, 16), (0, 512, 16), (31, 512, 16), (32, 512, 16), (64, 500, 16), (62, 500, 16),
+             (95, 500, 16), (10, 1, 16), (7, 16, 16), (1000, 2048, 1)]
+    for pool, max_len, b in cases:
+        want = pool // -(-max_len // b)
+        expect_equal(contiguous_capacity, (pool, max_len, b), want, hint=hint(pool, max_len, b), timeout=2)
+    expect_raises(ValueError, contiguous_capacity, (-1, 512, 16), why="a negative pool", timeout=2)
+    expect_raises(ValueError, contiguous_capacity, (128, 0, 16), why="max_len 0", timeout=2)
+    expect_raises(ValueError, contiguous_capacity, (128, 512, 0), why="block_size 0", timeout=2)
+
+
+def check_contiguous_capacity_hidden(contiguous_capacity):
+    require_function(contiguous_capacity, "contiguous_capacity")
+    rng = random.Random(4242)
+    for _ in range(300):
+        b = rng.choice([1, 2, 8, 16, 32, 64, 128, 256, 5, 13])
+        max_len = rng.choice([b, 4 * b, 4 * b + 1, rng.randrange(1, 8192)])
+        pool = rng.choice([0, rng.randrange(0, 40), rng.randrange(0, 100_000)])
+        want = pool // -(-max_len // b)
+        expect_equal(contiguous_capacity, (pool, max_len, b), want, timeout=2)
+
+
+def check_waste_percent_examples(waste_percent):
+    require_function(waste_percent, "waste_percent")
+
+    def hint(lens, b):
+        reserved, used = sum(-(-n // b) * b for n in lens), sum(lens)
+        def explain(got):
+            if not isinstance(got, (int, float)) or reserved == 0:
+                return None
+            if abs(got - (reserved - used) / reserved) < 1e-9:
+                return "that is a fraction: return a percentage (multiply by 100)"
+            if used and abs(got - 100.0 * (reserved - used) / used) < 1e-6:
+                return f"divide by the reserved slots ({reserved}), not by the tokens used ({used})"
+            return f"{reserved} slots reserved, {used} used"
+        return explain
+
+    seed = [40, 128, 300, 64, 210, 96, 180, 48, 150, 80, 60, 420, 33, 256, 90, 110]
+    cases = [([40], 16), ([16, 32], 16), ([], 16), ([0, 0], 16), ([1], 256), ([7, 9], 1), (seed, 16),
+             (seed, 256), ([15, 17], 16)]
+    for lens, b in cases:
+        expect_equal(waste_percent, (list(lens), b), waste_reference(lens, b), hint=hint(lens, b), timeout=2)
+    expect_raises(ValueError, waste_percent, ([10, -1], 16), why="a negative length", timeout=2)
+    expect_raises(ValueError, waste_percent, ([10], 0), why="block_size 0", timeout=2)
+
+
+def check_waste_percent_hidden(waste_percent):
+    require_function(waste_percent, "waste_percent")
+
+    rng = random.Random(31337)
+    for _ in range(300):
+        b = rng.choice([1, 2, 5, 16, 64, 256])
+        lens = [rng.choice([0, b, b - 1, rng.randrange(0, 4000)]) for _ in range(rng.randrange(0, 40))]
+        expect_equal(waste_percent, (list(lens), b), waste_reference(lens, b), timeout=2)
