@@ -10,7 +10,14 @@ temporary folder and keeps three outputs:
   in its metadata), without outputs;
 - ``grading/autograder/NN_name.zip``: what ``otter run`` needs to grade a submission: ``otter_config.json``
   and ``tests/*.py`` with every test, hidden ones included; and ``questions.json``, the questions in notebook
-  order, for the score table.
+  order with their description, for the score table, the notebook's checks and the sandbox.
+
+Both notebooks are then made the lab's own: otter's init cell (``otter.Notebook("NN_name.ipynb")``, which reads
+the tests from the file it names and fails in a renamed copy) becomes ``grader = Checks("NN_name")``
+(:mod:`pagedkv.grading.notebook`, which finds the tests by the set's name), a "check everything" section ends
+the notebook (``grader.check_all()``, and how to ``grader.reset(name)`` an exercise), and the set's description
+(:func:`describe_questions`: each exercise's number, heading, stub and reference symbols) goes into the
+notebook's metadata and the zip's ``questions.json``.
 
 The outputs are made byte-for-byte reproducible (cell ids derived from the cells' content, no outputs or
 execution counts, zip entries sorted with a fixed date and mode), so ``pagedkv build-exercises --check``
