@@ -750,12 +750,26 @@ def _hf_cudagraph_memory(model: torch.nn.Module, batch_sizes: tuple[int, ...], d
     estimate the graph pool as ``gpu_model_runner.py::profile_cudagraph_memory`` does: the first capture's
     memory plus (n - 1) times the second's (at least 1 MiB each). Graphs are discarded afterwards."""
     sizes = sorted(set(batch_sizes), reverse=True)
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
+        raise ValueError(f"cudagraph_batch_sizes must be ints > 0, got {batch_sizes!r}")
     pool = torch.cuda.graph_pool_handle()
     samples: list[int] = []
     graphs = []
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    try:
+        _capture_decode_graphs(decoder, sizes[:2], pool, samples, graphs, device)
+    finally:  # the graphs are only measured: free them whatever happened
+        graphs.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+    per_graph = max(samples[1] if len(samples) > 1 else 0, 1 << 20)
+    return int(samples[0] + per_graph * (len(sizes) - 1))
+
+
+def _capture_decode_graphs(decoder, sizes, pool, samples: list[int], graphs: list, device: torch.device) -> None:
+    """Capture one decode graph per batch size in ``sizes``, recording the free memory each one took."""
     with torch.inference_mode():
-        for b in sizes[:2]:
+        for b in sizes:
             ids = torch.zeros((b, 1), dtype=torch.long, device=device)  # ids: [B, 1]
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -770,17 +784,12 @@ def _hf_cudagraph_memory(model: torch.nn.Module, batch_sizes: tuple[int, ...], d
             torch.cuda.synchronize(device)
             samples.append(before - torch.cuda.mem_get_info(device)[0])
             graphs.append(graph)
-    per_graph = max(samples[1] if len(samples) > 1 else 0, 1 << 20)
-    estimate = samples[0] + per_graph * (len(sizes) - 1)
-    del graphs
-    gc.collect()
-    torch.cuda.empty_cache()
-    return int(estimate)
 
 
-#: The decode batch sizes a CUDA-graph estimate captures by default: 1, 2, 4, then steps of 8 up to 256 (the
-#: shape of vLLM 0.26's default ``cudagraph_capture_sizes``, ``vllm/config/compilation.py``).
-DEFAULT_CUDAGRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8))
+#: The decode batch sizes a CUDA-graph estimate captures by default: vLLM 0.26's default
+#: ``cudagraph_capture_sizes`` for ``max_num_seqs=256`` (``vllm/config/vllm.py``, ``VllmConfig._set_cudagraph_sizes``):
+#: 1, 2, 4, multiples of 8 below 256, then multiples of 16 up to ``min(2 * max_num_seqs, 512)``.
+DEFAULT_CUDAGRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 
 def profile(
@@ -797,6 +806,7 @@ def profile(
     cuda_graphs: bool = False,
     cudagraph_batch_sizes: tuple[int, ...] = DEFAULT_CUDAGRAPH_BATCH_SIZES,
     dummy_run: Callable[[int], None] | None = None,
+    cudagraph_memory: Callable[[], int] | None = None,
 ) -> MemoryProfile:
     """Size the KV pool for a loaded model (or an engine holding one): vLLM 0.26's
     ``gpu_worker.py::determine_available_memory`` followed by ``kv_cache_utils.py::get_num_blocks``.
@@ -804,7 +814,9 @@ def profile(
     On a CUDA device: snapshot, then inside :func:`memory_profiling` a dummy batch of ``max_num_batched_tokens``
     tokens (``dummy_run(num_tokens)`` when the engine gives one, else one forward of the transformers model
     with logits for ``min(max_num_seqs, tokens)`` rows), the torch peak taken before any CUDA-graph capture;
-    with ``cuda_graphs`` the graph pool is measured by capturing decode graphs; ``total_memory`` defaults to
+    with ``cuda_graphs`` the graph pool is measured by capturing decode graphs of ``cudagraph_batch_sizes``
+    (or by ``cudagraph_memory()``, an engine's own capture returning bytes, vLLM's
+    ``GPUModelRunner.profile_cudagraph_memory``); ``total_memory`` defaults to
     ``mem_get_info``'s total. The lab profiles a model that is already loaded, so its baseline is the moment
     profiling starts (vLLM's is the worker's start, before loading) and the weights are the bytes of the
     parameters and buffers.
@@ -821,6 +833,10 @@ def profile(
     block_size = _positive_int(block_size, "block_size")
     max_num_batched_tokens = _positive_int(max_num_batched_tokens, "max_num_batched_tokens")
     max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
+    if cuda_graphs and cudagraph_memory is None:
+        sizes = tuple(cudagraph_batch_sizes)
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in sizes):
+            raise ValueError(f"cudagraph_batch_sizes must be ints > 0, got {cudagraph_batch_sizes!r}")
     if total_memory is not None:
         total_memory = _memory_figure(total_memory, "total_memory")
         if total_memory == 0:
@@ -833,12 +849,6 @@ def profile(
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     device = torch.device(device)
     weights = _module_bytes(model)
-    if dummy_run is None:
-        for owner in (model_or_llm, getattr(model_or_llm, "model_runner", None)):
-            fn = getattr(owner, "profile_run", None)
-            if callable(fn) and owner is not model:
-                dummy_run = fn
-                break
 
     if device.type != "cuda":
         shape = model_shape(config)
@@ -874,6 +884,7 @@ def profile(
         cuda_graphs,
         cudagraph_batch_sizes,
         dummy_run,
+        cudagraph_memory,
         weights,
     )
 
@@ -892,6 +903,7 @@ def _profile_cuda(
     cuda_graphs: bool,
     cudagraph_batch_sizes: tuple[int, ...],
     dummy_run: Callable[[int], None] | None,
+    cudagraph_memory: Callable[[], int] | None,
     weights: int,
 ) -> MemoryProfile:
     """The measured path of :func:`profile` (needs CUDA)."""
@@ -916,7 +928,8 @@ def _profile_cuda(
         torch.cuda.synchronize(device)
         profile_torch_peak = torch.cuda.memory_stats(device).get("allocated_bytes.all.peak", 0)
         if cuda_graphs:
-            cudagraph = _hf_cudagraph_memory(model, tuple(cudagraph_batch_sizes), device)
+            measure = cudagraph_memory or (lambda: _hf_cudagraph_memory(model, tuple(cudagraph_batch_sizes), device))
+            cudagraph = int(measure())
     # the pre-capture torch peak, so graph capture is not counted twice (as determine_available_memory does)
     result.torch_peak_increase = profile_torch_peak - result.before_profile.torch_peak
     notes = [f"profile run took {result.profile_time:.2f} s"]

@@ -329,6 +329,13 @@ def test_profile_bad_input(tiny_llama, kwargs, match):
         profile(tiny_llama, 256, **kwargs)
 
 
+def test_cudagraph_batch_sizes_are_vllms_defaults_and_checked(tiny_llama):
+    sizes = sizing.DEFAULT_CUDAGRAPH_BATCH_SIZES  # vllm/config/vllm.py::VllmConfig._set_cudagraph_sizes, 256 seqs
+    assert sizes[:4] == (1, 2, 4, 8) and sizes[-1] == 512 and 248 in sizes and 256 in sizes and 264 not in sizes
+    with pytest.raises(ValueError, match="cudagraph_batch_sizes"):
+        profile(tiny_llama, 256, cuda_graphs=True, cudagraph_batch_sizes=(0, 4))
+
+
 def test_profile_refuses_what_is_not_a_model():
     with pytest.raises(ValueError, match="transformers model"):
         profile(object(), 256)
@@ -358,6 +365,8 @@ def test_profile_on_cuda_is_measured(tiny_llama):
     model = tiny_llama.to("cuda", torch.float16)
     try:
         p = profile(model, 4096, cuda_graphs=True, cudagraph_batch_sizes=(1, 2, 4, 8))
+        own = profile(model, 4096, cuda_graphs=True, cudagraph_memory=lambda: 3 << 20)  # an engine's own capture
+        assert own.cudagraph_memory == 3 << 20
         assert p.method == "measured" and p.device.startswith("cuda")
         assert p.total_memory == torch.cuda.mem_get_info()[1]
         assert p.peak_activation_memory > 0 and p.cudagraph_memory >= 1 << 20
