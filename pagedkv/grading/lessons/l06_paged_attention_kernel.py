@@ -417,7 +417,7 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
             if relative_error(out, alt) < 10 * TOL[dtype]:
                 hint = "the scores were not multiplied by qk_scale"
     _fail(f"paged_decode_v1_kernel: relative error {err:.3g} (allowed {TOL[dtype]:g}); first wrong row: {case}."
-          + (f" Hint: {hint}." if hint else ""))
+          + (f" Hint: {hint}" + ("" if hint.endswith((".", "?", "!")) else ".") if hint else ""))
 
 
 # -------------------------------------------------------------------------------------------------------------
