@@ -458,7 +458,7 @@ def test_nbconvert_html_export_shows_the_picture(tmp_path: Path) -> None:
     html, _ = HTMLExporter().from_notebook_node(nb)
     svgs = _svg_in_html(html)
     assert len(svgs) == 1, "the export should show the static picture exactly once"
-    assert 'class="pkv-static-svg"' in svgs[0] and "key frames of 16" in svgs[0]
+    assert 'class="pkv-static-svg"' in svgs[0] and "key frames of 16;" in svgs[0]
     picks = key_frames(view_frames(demo_trace().frames))  # the notebook records the same trace
     assert svgs[0].count("<svg ") == 1 + len(picks), "one panel per key frame"
     assert '<div class="pkv-static-fallback"' in html

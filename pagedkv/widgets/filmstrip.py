@@ -99,11 +99,13 @@ def filmstrip_svg(
     title: str = "",
     request_ids: Sequence[str] | None = None,
     legend_roles: Sequence[str] | None = None,
-    columns: int = 3,
-    scale: float = 0.55,
+    columns: int = 2,
+    scale: float = 0.7,
+    panel_width: int = 600,
 ) -> str:
     """One SVG with the frames ``picks`` (``[(index, label), ...]``, e.g. from ``key_frames``) as numbered panels,
-    ``columns`` to a row, each drawn as the widget draws it and scaled by ``scale``; one legend below."""
+    ``columns`` to a row, each drawn as the widget draws it (at least ``panel_width`` px wide) and scaled by
+    ``scale``; one legend below. The defaults keep a six-frame strip about as wide as a notebook's output."""
     if not picks:
         raise ValueError("picks is empty: give at least one (frame index, label)")
     n = len(views)
@@ -117,7 +119,15 @@ def filmstrip_svg(
     pad, gap, label_h = 16, 14, 22
     columns = min(columns, len(picks))
     panels = [
-        render_view_svg(views[k], colours, total=n, legend_roles=legend_roles, request_ids=request_ids, legend=False)
+        render_view_svg(
+            views[k],
+            colours,
+            total=n,
+            legend_roles=legend_roles,
+            request_ids=request_ids,
+            legend=False,
+            min_width=panel_width,
+        )  # fmt: skip
         for k, _ in picks
     ]
     sizes = [_nest(p, 0, 0, scale)[1:] for p in panels]
@@ -128,8 +138,7 @@ def filmstrip_svg(
     if title:
         c.add(_t(pad, y + 15, title, 16, weight="bold"))
         y += 24
-    kinds = " · ".join(f"{i + 1} {label}" for i, (_, label) in enumerate(picks))
-    c.add(_t(pad, y + 12, f"key frames of {n} ({kinds}); run the notebook to animate every frame", 12, fill=MUTED))
+    c.add(_t(pad, y + 12, f"{len(picks)} key frames of {n}; run the notebook to animate them all", 12, fill=MUTED))
     y += 24
     nested: list[str] = []
     for row in range(-(-len(picks) // columns)):

@@ -163,9 +163,11 @@ def _as_view(frame: Mapping[str, Any], index: int) -> dict[str, Any]:
 
 def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *, title: str = "",
                     total: int | None = None, legend_roles: Sequence[str] | None = None,
-                    request_ids: Sequence[str] | None = None, legend: bool = True) -> str:  # fmt: skip
+                    request_ids: Sequence[str] | None = None, legend: bool = True,
+                    min_width: int = 720) -> str:  # fmt: skip
     """The SVG of one view (``frames.view_frame``); ``colours`` maps request id → [background, text].
-    ``legend=False`` leaves the legend out (a filmstrip draws one for all its panels)."""
+    ``legend=False`` leaves the legend out (a filmstrip draws one for all its panels); ``min_width``: the
+    narrowest picture (px) whatever the pool's size (long captions are cut to fit)."""
     c = _Canvas()
     n = view["num_blocks"]
     cols, cell = view.get("grid") or (10, 40)
@@ -173,7 +175,7 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
     pad = 16
     rows = -(-n // cols)
     grid_w = cols * (cell + gap) - gap
-    width = max(grid_w + 2 * pad, 720)
+    width = max(grid_w + 2 * pad, min_width)
     y = pad
 
     # Header: title, the event's kind and caption, the counters.
