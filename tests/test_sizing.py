@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import os
 import pathlib
@@ -128,6 +129,14 @@ def _vllm_function(relpath: str, name: str, namespace: dict):
     return namespace[name]
 
 
+@functools.cache
+def _vllm_sizing_functions():
+    ns: dict = {"math": math, "format_gib": sizing.format_gib}
+    request_memory = _vllm_function("v1/worker/utils.py", "request_memory", ns)
+    _vllm_function("v1/core/kv_cache_utils.py", "may_override_num_blocks", ns)
+    return request_memory, _vllm_function("v1/core/kv_cache_utils.py", "get_num_blocks", ns)
+
+
 @pytest.mark.skipif(not (VLLM_SRC / "v1/core/kv_cache_utils.py").exists(), reason="vLLM 0.26's source not unpacked")
 @given(
     total=st.integers(1, 200 * GiB),
@@ -137,10 +146,7 @@ def _vllm_function(relpath: str, name: str, namespace: dict):
     num_layers=st.integers(1, 128),
 )
 def test_against_vllms_own_get_num_blocks_and_request_memory(total, util, non_kv, page, num_layers):
-    ns: dict = {"math": math, "format_gib": sizing.format_gib}
-    request_memory = _vllm_function("v1/worker/utils.py", "request_memory", ns)
-    _vllm_function("v1/core/kv_cache_utils.py", "may_override_num_blocks", ns)
-    get_num_blocks = _vllm_function("v1/core/kv_cache_utils.py", "get_num_blocks", ns)
+    request_memory, get_num_blocks = _vllm_sizing_functions()
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=None))
     snapshot = SimpleNamespace(total_memory=total, free_memory=total, device_="cuda:0")
     requested = request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=util))
