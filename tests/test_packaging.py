@@ -3,8 +3,13 @@ importable only as pagedkv.kernels."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
+import re
+import subprocess
+import sys
 
+import pytest
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,3 +41,32 @@ def test_no_top_level_kernels_import_in_the_repo():
             if stripped.startswith(("import kernels", "from kernels ", "from kernels.")):
                 offenders.append(f"{path.relative_to(ROOT)}: {stripped}")
     assert not offenders, offenders
+
+
+def test_entry_points_are_executable_in_git():
+    """A fresh clone must be able to run ./lab (and CI its .ci/run) without chmod."""
+    out = subprocess.run(["git", "ls-files", "-s", "lab", ".ci/run"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip():
+        pytest.skip("not a git checkout")
+    modes = {line.split()[-1]: line.split()[0] for line in out.stdout.splitlines()}
+    assert modes == {"lab": "100755", ".ci/run": "100755"}, modes
+
+
+def test_setup_env_uses_the_standard_library_only():
+    """The lessons' set-up cell runs pagedkv/setup_env.py as a script before the lab (or numpy) is installed."""
+    tree = ast.parse((ROOT / "pagedkv" / "setup_env.py").read_text())
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+    lazy = {"torch"}  # imported inside prepare(), after the install
+    outside = {m for m in modules if m.split(".")[0] not in sys.stdlib_module_names} - lazy - {"__future__"}
+    assert not outside, f"setup_env.py imports {sorted(outside)}, which a fresh Colab kernel may not have"
+
+
+def test_readme_links_and_pictures_resolve():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [link for link in links if not re.match(r"(https?:|mailto:|#)", link)]
+    assert local, "the README links its docs and pictures"
+    missing = [link for link in local if not (ROOT / link.split("#")[0]).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+    assert "![" in text and "docs/img/filmstrip.svg" in text
