@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CaseOutcome", "CheckResult", "Checks", "SetInfo", "load_set"]
+__all__ = ["CaseOutcome", "CheckResult", "CheckSummary", "Checks", "Exercise", "SetInfo", "load_set", "run_test_file"]
 
 #: The autograder zip's description of the set (written by :mod:`pagedkv.grading.build`).
 QUESTIONS_FILE = "questions.json"
@@ -101,7 +101,8 @@ class CheckResult:
             return f"{title}: cannot check it: {self.problem}"
         if self.passed:
             return f"{title}: all {len(self.cases)} public test case{'s' if len(self.cases) != 1 else ''} passed ✅"
-        lines = [f"{title}: {sum(c.passed for c in self.cases)} of {len(self.cases)} public test cases passed"]
+        cases = "public test case" if len(self.cases) == 1 else "public test cases"
+        lines = [f"{title}: {sum(c.passed for c in self.cases)} of {len(self.cases)} {cases} passed"]
         for c in self.cases:
             lines.append(f"  {'✅' if c.passed else '❌'} {c.name}" + ("" if c.passed else f": {c.message}"))
         return "\n".join(lines)
@@ -303,7 +304,8 @@ class CheckSummary:
             if r.problem:
                 status = f"cannot check it: {r.problem}"
             else:
-                status = f"{r.score:g} / {r.possible:g} points" + (" ✅" if r.passed else "")
+                unit = "point" if r.possible == 1 else "points"
+                status = f"{r.score:g} / {r.possible:g} {unit}" + (" ✅" if r.passed else "")
             lines.append(f"  {r.exercise.title}: {status}")
         failing = [r for r in self.results if not r.passed and not r.problem]
         if failing:
