@@ -344,7 +344,8 @@ def max_concurrency(num_blocks: int, block_size: int, num_tokens: int) -> float:
 def num_parameters(config: Any) -> int:
     """Parameters of a Llama-style decoder (Llama, Mistral, Qwen2/3): embeddings, per layer the q/k/v/o
     projections, a gated MLP (gate, up, down) and two RMSNorms, a final norm, and an LM head unless it is tied
-    to the embeddings. Biases (Qwen2's q/k/v) and Qwen3's q/k norms are left out: they are < 0.1 %."""
+    to the embeddings. Biases (Qwen2's q/k/v) and Qwen3's q/k norms are left out: they are < 0.1 %. No vLLM
+    counterpart: vLLM measures the weights it loaded (``GPUModelRunner.model_memory_usage``)."""
     s = model_shape(config)
     q = s.num_attention_heads * s.head_dim
     kv = s.num_kv_heads * s.head_dim
@@ -429,7 +430,7 @@ class MemoryProfile:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token takes across all layers."""
+        """KV bytes one token takes across all layers (``page_size_bytes * num_layers / block_size``)."""
         return self.page_size_bytes * self.num_layers // self.block_size
 
     def max_concurrency(self, num_tokens: int | None = None) -> float:
@@ -445,7 +446,7 @@ class MemoryProfile:
 
     def breakdown(self) -> dict[str, int]:
         """The requested memory split into its parts, in bytes, for a stacked bar (they sum to
-        ``requested_memory``)."""
+        ``requested_memory``). The lab's own view: vLLM logs the same figures as lines (``MemoryProfilingResult``)."""
         return {
             "weights": self.weights_memory,
             "peak activations": self.peak_activation_memory,
