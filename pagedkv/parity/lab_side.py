@@ -1,0 +1,144 @@
+"""The lab's side of a parity run: the library's classes, or a learner's compatible ones, behind the side
+interfaces of :mod:`pagedkv.parity.workloads`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.parity.workloads import ManagerConfig, SchedulerConfig
+from pagedkv.request import Request
+from pagedkv.scheduler import Scheduler
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _ids(blocks: Sequence[Any] | None) -> list[int] | None:
+    return None if blocks is None else [int(b.block_id) for b in blocks]
+
+
+def make_manager(cfg: ManagerConfig | SchedulerConfig, impl: Any = None) -> Any:
+    """A KV cache manager for ``cfg``: the lab's, a learner's ``KVCacheManager``-compatible class (it has
+    ``allocate_slots``), or the lab's manager on a learner's ``BlockPool``-compatible class (it has
+    ``get_new_blocks``)."""
+    if impl is None:
+        return KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
+    if hasattr(impl, "allocate_slots"):
+        return impl(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
+    if hasattr(impl, "get_new_blocks"):
+        manager = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
+        pool = impl(cfg.num_blocks, cfg.enable_caching)
+        if not hasattr(pool, "defer_eviction_events"):
+            pool.defer_eviction_events = True
+        if not hasattr(pool, "deferred_evictions"):
+            pool.deferred_evictions = []
+        manager.block_pool = pool
+        return manager
+    raise ValueError(
+        f"impl must be a BlockPool-, KVCacheManager- or Scheduler-compatible class, got {impl!r}"
+    )
+
+
+class LabManagerSide:
+    """``KVCacheManager`` operations as the manager driver calls them."""
+
+    def __init__(self, cfg: ManagerConfig, impl: Any = None) -> None:
+        self.manager = make_manager(cfg, impl)
+        self.requests: dict[str, Request] = {}
+
+    def _free_count(self) -> int:
+        return int(self.manager.block_pool.get_num_free_blocks())
+
+    def admit(self, rid: str, tokens: list[int]) -> dict[str, Any]:
+        try:
+            request = Request(rid, tokens, max_tokens=1)
+            hits, num_hit_tokens = self.manager.get_computed_blocks(request)
+            new = self.manager.allocate_slots(request, request.num_tokens - num_hit_tokens, list(hits))
+            obs: dict[str, Any] = {"hit_tokens": int(num_hit_tokens), "hit_blocks": _ids(hits), "new_blocks": _ids(new)}
+            if new is not None:
+                request.num_computed_tokens = request.num_tokens
+                self.requests[rid] = request
+                obs["table"] = [int(b) for b in self.manager.get_block_ids(rid)]
+            obs["num_free"] = self._free_count()
+            return obs
+        except Exception as exc:  # a learner's class may raise anything: report it as the divergence
+            return _error(exc)
+
+    def decode(self, rid: str, token: int) -> dict[str, Any]:
+        try:
+            request = self.requests[rid]
+            request.append_output_token_ids(token)
+            new = self.manager.allocate_slots(request, request.num_tokens - request.num_computed_tokens)
+            if new is not None:
+                request.num_computed_tokens = request.num_tokens
+            table = [int(b) for b in self.manager.get_block_ids(rid)]
+            return {"new_blocks": _ids(new), "table": table, "num_free": self._free_count()}
+        except Exception as exc:
+            return _error(exc)
+
+    def free(self, rid: str) -> dict[str, Any]:
+        try:
+            self.manager.free(self.requests.pop(rid))
+            return {"num_free": self._free_count()}
+        except Exception as exc:
+            return _error(exc)
+
+    def reset(self) -> dict[str, Any]:
+        try:
+            return {"reset": bool(self.manager.reset_prefix_cache()), "num_free": self._free_count()}
+        except Exception as exc:
+            return _error(exc)
+
+
+class LabSchedulerSide:
+    """The lab's ``Scheduler`` (FCFS, recompute, chunked prefill, vLLM 0.26's admission gate on) as the
+    scheduler driver calls it; ``impl`` may be a learner's ``Scheduler`` subclass, or a manager or pool class
+    to run under the lab's scheduler."""
+
+    def __init__(self, cfg: SchedulerConfig, impl: Any = None) -> None:
+        if impl is not None and hasattr(impl, "schedule"):
+            manager = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
+            self.scheduler = impl(manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        else:
+            manager = make_manager(cfg, impl)
+            self.scheduler = Scheduler(
+                manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, scheduler_reserve_full_isl=True
+            )
+        self.requests: dict[str, Request] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        request = Request(rid, prompt, max_tokens=max_tokens)
+        self.requests[rid] = request
+        self.scheduler.add_request(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.has_unfinished_requests())
+
+    def step(self, sample: Callable[[Sequence[int]], int]) -> dict[str, Any]:
+        s = self.scheduler
+        try:
+            out = s.schedule()
+            scheduled = [[rid, int(n)] for rid, n in out.num_scheduled_tokens.items()]
+            manager = s.kv_cache_manager
+            tables = {rid: [int(b) for b in manager.get_block_ids(rid)] for rid, _ in scheduled}
+            before = {rid: len(self.requests[rid].output_token_ids) for rid, _ in scheduled}
+            samples = {}
+            for rid, _ in scheduled:
+                request = self.requests[rid]
+                if request.num_computed_tokens >= request.num_tokens:  # the chunk reached the end
+                    samples[rid] = sample(request.all_token_ids[: request.num_computed_tokens])
+            s.update_from_output(out, samples)
+            kept = {rid: list(self.requests[rid].output_token_ids[n:]) for rid, n in before.items()}
+            return {
+                "scheduled": scheduled,
+                "preempted": sorted(out.preempted_req_ids),
+                "tables": tables,
+                "kept": {rid: toks for rid, toks in kept.items() if toks},
+                "finished": sorted(rid for rid, _ in scheduled if self.requests[rid].is_finished()),
+                "num_free": int(manager.block_pool.get_num_free_blocks()),
+            }
+        except Exception as exc:
+            return _error(exc)

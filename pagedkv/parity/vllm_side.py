@@ -1,0 +1,216 @@
+"""vLLM 0.26's own ``KVCacheManager`` and ``Scheduler`` behind the side interfaces of
+:mod:`pagedkv.parity.workloads`. Imported only inside the worker process (:mod:`pagedkv.parity._worker`),
+where vLLM's unpacked sources are importable; nothing of vLLM's compiled code is loaded.
+
+Built as ``/work/shared/notes``-style facts say vLLM's core runs on a CPU: a ``KVCacheConfig`` with one
+full-attention group; block hashes with ``sha256`` after ``init_none_hash``; the scheduler from real
+``SchedulerConfig``/``CacheConfig``/``ParallelConfig``/``ObservabilityConfig``/``KVEventsConfig`` and a
+stand-in for ``ModelConfig`` (which would need vLLM's model registry) answering the attributes the
+scheduler reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.config import CacheConfig, KVEventsConfig, ObservabilityConfig, ParallelConfig
+from vllm.config import SchedulerConfig as VllmSchedulerConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+from pagedkv.parity.workloads import ManagerConfig, SchedulerConfig
+
+MAX_MODEL_LEN = 4096
+init_none_hash(sha256)
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+
+
+def make_request(rid: str, tokens: list[int], max_tokens: int, block_size: int) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, list(tokens), params, None, block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+class VllmManagerSide:
+    def __init__(self, cfg: ManagerConfig) -> None:
+        self.cfg = cfg
+        self.manager = KVCacheManager(
+            kv_cache_config(cfg.num_blocks, cfg.block_size),
+            max_model_len=MAX_MODEL_LEN,
+            scheduler_block_size=cfg.block_size,
+            hash_block_size=cfg.block_size,
+            enable_caching=cfg.enable_caching,
+        )
+        self.requests: dict[str, Request] = {}
+
+    def _free_count(self) -> int:
+        return int(self.manager.block_pool.get_num_free_blocks())
+
+    def _table(self, rid: str) -> list[int]:
+        return [int(b) for b in self.manager.get_block_ids(rid)[0]]
+
+    def admit(self, rid: str, tokens: list[int]) -> dict[str, Any]:
+        try:
+            request = make_request(rid, tokens, 1, self.cfg.block_size)
+            hits, num_hit_tokens, _ = self.manager.get_computed_blocks(request)
+            hit_ids = [int(b.block_id) for b in hits.blocks[0]]
+            new = self.manager.allocate_slots(
+                request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
+            )
+            obs: dict[str, Any] = {
+                "hit_tokens": int(num_hit_tokens),
+                "hit_blocks": hit_ids,
+                "new_blocks": None if new is None else [int(b.block_id) for b in new.blocks[0]],
+            }
+            if new is not None:
+                request.num_computed_tokens = request.num_tokens
+                self.requests[rid] = request
+                obs["table"] = self._table(rid)
+            obs["num_free"] = self._free_count()
+            return obs
+        except Exception as exc:
+            return _error(exc)
+
+    def decode(self, rid: str, token: int) -> dict[str, Any]:
+        try:
+            request = self.requests[rid]
+            request.append_output_token_ids(int(token))
+            new = self.manager.allocate_slots(request, request.num_tokens - request.num_computed_tokens)
+            if new is not None:
+                request.num_computed_tokens = request.num_tokens
+            new_ids = None if new is None else [int(b.block_id) for b in new.blocks[0]]
+            return {"new_blocks": new_ids, "table": self._table(rid), "num_free": self._free_count()}
+        except Exception as exc:
+            return _error(exc)
+
+    def free(self, rid: str) -> dict[str, Any]:
+        try:
+            self.manager.free(self.requests.pop(rid))
+            return {"num_free": self._free_count()}
+        except Exception as exc:
+            return _error(exc)
+
+    def reset(self) -> dict[str, Any]:
+        try:
+            return {"reset": bool(self.manager.reset_prefix_cache()), "num_free": self._free_count()}
+        except Exception as exc:
+            return _error(exc)
+
+
+class _NoStructuredOutput:
+    """Plain requests never use structured output; these are the calls the scheduler makes regardless."""
+
+    def should_advance(self, request: Request) -> bool:
+        return False
+
+    def grammar_bitmask(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def trim_reasoning_for_advance(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def make_scheduler(cfg: SchedulerConfig) -> Scheduler:
+    sched = VllmSchedulerConfig(
+        max_model_len=MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        policy="fcfs",
+        scheduler_reserve_full_isl=True,
+        enable_chunked_prefill=True,
+    )
+    cache = CacheConfig(block_size=cfg.block_size, enable_prefix_caching=cfg.enable_caching)
+    cache.num_gpu_blocks = cfg.num_blocks
+    model = SimpleNamespace(
+        max_model_len=MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+        is_multimodal_model=False,
+        is_diffusion=False,
+        uses_mrope=False,
+        enable_return_routed_experts=False,
+    )
+    vllm_config = SimpleNamespace(
+        scheduler_config=sched,
+        cache_config=cache,
+        lora_config=None,
+        parallel_config=ParallelConfig(),
+        observability_config=ObservabilityConfig(),
+        kv_events_config=KVEventsConfig(),
+        model_config=model,
+        kv_transfer_config=None,
+        ec_transfer_config=None,
+        speculative_config=None,
+        num_speculative_tokens=0,
+        max_in_flight_tokens=None,
+        use_v2_model_runner=False,
+        max_concurrent_batches=1,
+    )
+    return Scheduler(
+        vllm_config,
+        kv_cache_config(cfg.num_blocks, cfg.block_size),
+        structured_output_manager=_NoStructuredOutput(),
+        block_size=cfg.block_size,
+        log_stats=False,
+    )
+
+
+class VllmSchedulerSide:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.scheduler = make_scheduler(cfg)
+        self.requests: dict[str, Request] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        request = make_request(rid, prompt, max_tokens, self.cfg.block_size)
+        self.requests[rid] = request
+        self.scheduler.add_request(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.has_unfinished_requests())
+
+    def step(self, sample: Callable[[Sequence[int]], int]) -> dict[str, Any]:
+        s = self.scheduler
+        try:
+            out = s.schedule()
+            scheduled = [[rid, int(n)] for rid, n in out.num_scheduled_tokens.items()]
+            tables = {rid: [int(b) for b in s.kv_cache_manager.get_block_ids(rid)[0]] for rid, _ in scheduled}
+            before = {rid: len(self.requests[rid].output_token_ids) for rid, _ in scheduled}
+            ids = [rid for rid, _ in scheduled]
+            sampled: list[list[int]] = []
+            for rid in ids:
+                request = self.requests[rid]
+                reached_end = request.num_computed_tokens >= request.num_tokens
+                tokens = list(request.all_token_ids[: request.num_computed_tokens])
+                sampled.append([sample(tokens)] if reached_end else [])
+            runner_output = ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled
+            )
+            s.update_from_output(out, runner_output)
+            kept = {rid: [int(t) for t in self.requests[rid].output_token_ids[n:]] for rid, n in before.items()}
+            return {
+                "scheduled": scheduled,
+                "preempted": sorted(out.preempted_req_ids or ()),
+                "tables": tables,
+                "kept": {rid: toks for rid, toks in kept.items() if toks},
+                "finished": sorted(rid for rid in ids if self.requests[rid].is_finished()),
+                "num_free": int(s.kv_cache_manager.block_pool.get_num_free_blocks()),
+            }
+        except Exception as exc:
+            return _error(exc)
