@@ -225,6 +225,7 @@ def test_open_without_a_display_prints_the_url_and_does_not_open_a_browser(fake_
     args = _jupyter_args(fake_venv)
     assert args[0] == "lab" and "--no-browser" in args
     assert "--IdentityProvider.token=abc123" in args and "--ServerApp.port_retries=0" in args
+    assert "--port=8899" in args, "the server listens where the printed URL points"
     assert "ssh -N" not in r.stdout
 
 
@@ -233,7 +234,7 @@ def test_open_over_ssh_prints_the_tunnel(fake_venv: Path) -> None:
                 SSH_CONNECTION="203.0.113.9 51234 198.51.100.7 2222")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "ssh -N -L 8890:localhost:8890 -p 2222 ada@198.51.100.7" in r.stdout
-    assert "--no-browser" in _jupyter_args(fake_venv)
+    assert "--no-browser" in _jupyter_args(fake_venv) and "--port=8890" in _jupyter_args(fake_venv)
 
 
 def test_open_with_a_display_lets_jupyter_open_the_browser(fake_venv: Path) -> None:
