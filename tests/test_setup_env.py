@@ -207,3 +207,15 @@ def test_colab_cells_check_flags_and_then_fixes_a_notebook(tmp_path: Path, monke
     outside = tmp_path.parent / "elsewhere.ipynb"
     with pytest.raises(SystemExit):
         colab_cells.main([str(outside)])
+
+
+def test_lessons_carry_the_current_set_up_cell() -> None:
+    """A lesson that has the set-up cell has today's text (run tools/colab_cells.py after changing it)."""
+    stale = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        cells = [c for c in nb.cells if colab_cells.SETUP_TAG in c.get("metadata", {}).get("tags", [])]
+        if cells and (cells[0].source != colab_cells.setup_cell_source() or nb.cells[1] is not cells[0]):
+            stale.append(path.name)
+    assert not stale, f"run: .venv/bin/python tools/colab_cells.py {' '.join('notebooks/' + s for s in stale)}"
+    assert "00_primer.ipynb" in {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
