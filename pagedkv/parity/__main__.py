@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     lessons = [args.lesson] if args.lesson else sorted(LESSON_DRIVERS)
     report = run(lessons, args.seeds, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(report)
+    if report.vllm_import_seconds is not None:
+        print(f"(importing vLLM 0.26's core in the worker took {report.vllm_import_seconds:.1f} s)", file=sys.stderr)
+    elif report.cached:
+        print("(vLLM 0.26's traces for these seeds came from the cache)", file=sys.stderr)
     if report.skipped is not None:
         return 2
     return 0 if report.ok else 1

@@ -156,6 +156,10 @@ def run(lessons: list[int], num_seeds: int, impl: Any = None, log: Callable[[str
     except fetch.VllmUnavailable as exc:
         report.skipped = str(exc)
         return report
+    except Exception as exc:  # noqa: BLE001 - e.g. a full disk while unpacking: a reason, not a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        report.skipped = f"{type(exc).__name__}: {first}"
+        return report
     for name, caching in specs:
         result = DriverResult(name, enable_caching=caching, vllm_seconds=vllm_seconds[(name, caching)])
         t0 = time.perf_counter()
