@@ -116,4 +116,5 @@ def test_report_text_and_html():
                      {"tables": {"s0": [1, 3]}})
     report.drivers.append(DriverResult("scheduler", 4, 3, 0.5, 0.1, div))
     assert not report.ok and "s0: [1, 2] | [1, 3]   <-- differs" in str(report)
-    assert report._repr_html_().startswith("<pre")
+    page = report._repr_html_()
+    assert page.startswith("<pre") and '<td style="background:#ffd7d5">3</td>' in page

@@ -126,4 +126,30 @@ class ParityReport:
 
     def _repr_html_(self) -> str:
         colour = "#1a7f37" if self.ok else ("#6e7781" if self.skipped else "#cf222e")
-        return f'<pre style="color:{colour}">{html.escape(str(self))}</pre>'
+        parts = [f'<pre style="color:{colour}">{html.escape(str(self))}</pre>']
+        for d in self.drivers:
+            if d.divergence is not None and d.divergence.tables():
+                parts.append(_tables_html(d.divergence, "yours" if self.who.startswith("Your") else "library"))
+        return "".join(parts)
+
+
+def _cells(table: list[int] | None, other: list[int] | None) -> str:
+    if table is None:
+        return "<td><i>no table</i></td>"
+    out = []
+    for i, block_id in enumerate(table):
+        same = other is not None and i < len(other) and other[i] == block_id
+        style = "" if same else ' style="background:#ffd7d5"'
+        out.append(f'<td{style}>{block_id}</td>')
+    return "".join(out) or "<td><i>empty</i></td>"
+
+
+def _tables_html(d: Divergence, label: str) -> str:
+    """Both sides' block tables at the first divergence, one row per request and side; cells that differ
+    from the other side are shaded."""
+    rows = []
+    for rid, (v, mine) in d.tables().items():
+        rows.append(f"<tr><th rowspan=2>{html.escape(str(rid))}</th><td>vLLM 0.26</td>{_cells(v, mine)}</tr>")
+        rows.append(f"<tr><td>{label}</td>{_cells(mine, v)}</tr>")
+    caption = f"block tables at workload seed {d.seed}, {d.op.get('op')} {d.index}"
+    return f'<table style="font-family:monospace"><caption>{html.escape(caption)}</caption>{"".join(rows)}</table>'
