@@ -87,6 +87,16 @@ def assert_matches_hf(outputs, refs, label=""):
         warnings.warn(f"{label}: divergences at HF near-ties (prompt, position, gap): {near_ties}", stacklevel=2)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one torch thread is faster, and on a busy CI box a second OpenMP thread mostly
+    waits for a core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama")

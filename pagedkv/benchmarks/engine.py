@@ -16,7 +16,10 @@ length (prompt + new tokens, unpadded): the paged engines hold all of them at on
 reserves the padded length for every row, holds fewer per batch. vLLM measures the same thing with
 ``vllm bench throughput`` (``vllm/benchmarks/throughput.py``).
 
-The default is the CPU configuration (a tiny seeded Llama in fp32). ``--gpu`` is the prepared GPU run: a
+The default is the CPU configuration (a tiny seeded Llama in fp32), run with one torch thread (``--threads``):
+at these sizes every operation is small, and on a shared machine a second OpenMP thread mostly waits for a core
+(measured on a busy 2-core box: one decode step 15-40x slower with two threads than with one, for every
+implementation alike). ``--gpu`` is the prepared GPU run: a
 ~1B-parameter Llama-shaped model (random weights, bf16), 256 prompts, CUDA graphs, a few minutes on one GPU.
 """
 
@@ -59,6 +62,7 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    threads: int | None = 1  # torch intra-op threads on a CPU (None: torch's default)
     impls: list[str] = field(default_factory=lambda: list(IMPLS))
 
     @classmethod
@@ -75,7 +79,7 @@ class BenchConfig:
         return cls(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                    intermediate_size=8192, vocab_size=128256, num_prompts=256, min_prompt_len=20,
                    max_prompt_len=200, max_new_tokens=128, max_num_batched_tokens=8192, dtype="bfloat16",
-                   device="cuda", impls=["hf_static_batch", "hf_generate_batch", "pagedkv"])
+                   device="cuda", threads=None, impls=["hf_static_batch", "hf_generate_batch", "pagedkv"])
 
 
 def build_model(cfg: BenchConfig) -> torch.nn.Module:
@@ -210,9 +214,19 @@ def hide_repo_kernels() -> Iterator[None]:
 def run(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every implementation in ``cfg.impls`` once (after a small warm-up of each) and return
     ``{"rows": [...], "config": {...}}``."""
+    torch.set_grad_enabled(False)
+    threads_before = torch.get_num_threads()
+    if cfg.threads and not cfg.device.startswith("cuda"):
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    torch.set_grad_enabled(False)
     model = build_model(cfg)
     prompts = make_prompts(cfg)
     budget = kv_budget_tokens(cfg, prompts)
@@ -299,12 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--tiny", action="store_true", help="the seconds-long configuration the tests run")
     size.add_argument("--gpu", action="store_true", help="the prepared GPU run (~1B Llama shape, bf16, CUDA)")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, help="run only these")
+    parser.add_argument("--threads", type=int, help="torch threads on a CPU (default 1; 0: torch's default)")
     args = parser.parse_args(argv)
     cfg = BenchConfig.tiny() if args.tiny else BenchConfig.gpu() if args.gpu else BenchConfig()
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU")
     if args.impls:
         cfg.impls = list(args.impls)
+    if args.threads is not None:
+        cfg.threads = args.threads or None
     with hide_repo_kernels():
         result = run(cfg)
     print(format_table(result))

@@ -33,7 +33,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
-#: Without ``pagedkv.sizing``, or on a CPU, the default pool holds at most this many bytes of KV.
+#: The pool's size when ``pagedkv.sizing`` cannot profile the model (a CPU budget too small for its weights).
 CPU_KV_CACHE_BYTES = 128 * 2**20
 
 
@@ -71,10 +71,10 @@ class LLM:
 
     ``model``: a Hugging Face id, a local ``save_pretrained`` folder, or a loaded model (used as is; the
     engine never changes its attention setting outside its own forward calls). ``num_gpu_blocks=None``
-    sizes the pool (``pagedkv.sizing.profile`` when present, capped on a CPU). ``attn_backend``: ``"torch"``
-    (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA only; the CUDA default, decode
-    steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the swap space for
-    ``preemption_mode="swap"`` (default: as many blocks as the GPU pool). Mirrors ``vllm.LLM``.
+    sizes the pool with lesson 5's ``pagedkv.sizing.profile`` (a small analytic budget on a CPU).
+    ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
+    only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
+    swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool). Mirrors ``vllm.LLM``.
     """
 
     def __init__(
@@ -138,7 +138,8 @@ class LLM:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.memory_profile = None
         if num_gpu_blocks is None:
-            num_gpu_blocks = self._size_pool(gpu_memory_utilization)
+            num_gpu_blocks = self._size_pool(
+                gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager)
         elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
         self.num_gpu_blocks = num_gpu_blocks
@@ -201,32 +202,38 @@ class LLM:
             return frozenset()
         return frozenset([ids] if _is_int(ids) else ids)
 
-    def _size_pool(self, gpu_memory_utilization: float) -> int:
-        """Blocks for the pool: ``pagedkv.sizing.profile`` when it exists (its start-up lines printed), else
-        what ``CPU_KV_CACHE_BYTES`` holds; on a CPU never more than that. Prints
-        ``# GPU blocks: N, concurrency for L-token requests: X``."""
+    def _size_pool(self, gpu_memory_utilization: float, use_cuda_graph: bool) -> int:
+        """Blocks for the pool, from lesson 5's ``pagedkv.sizing.profile`` (vLLM 0.26's
+        ``determine_available_memory`` then ``get_num_blocks``): measured on a CUDA GPU, computed ("analytic",
+        against a small CPU budget) on a CPU. Prints its start-up lines, ending with
+        ``# GPU blocks: N, concurrency for L-token requests: X``. Where the module is missing, or a CPU profile
+        leaves no room (weights larger than the CPU budget), a pool of at most ``CPU_KV_CACHE_BYTES``."""
         config = self.model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = next(self.model.parameters()).dtype
         elem = torch.tensor([], dtype=dtype).element_size()
         block_bytes = 2 * self.block_size * kv_heads * head_dim * elem * config.num_hidden_layers
-        cap = max(2, CPU_KV_CACHE_BYTES // block_bytes)
-        blocks = None
         try:
             from pagedkv.sizing import profile  # lesson 5
         except ImportError:
             profile = None
-        if profile is not None and self.device.type == "cuda":
-            self.memory_profile = profile(
-                self.model, self.max_num_batched_tokens, block_size=self.block_size, kv_cache_dtype=dtype,
-                gpu_memory_utilization=gpu_memory_utilization, device=self.device,
-            )
-            print(str(self.memory_profile))
-            blocks = int(self.memory_profile.num_gpu_blocks)
-        if blocks is None or self.device.type != "cuda":
-            blocks = cap if blocks is None else min(blocks, cap)
+        if profile is not None:
+            try:
+                self.memory_profile = profile(
+                    self.model, self.max_num_batched_tokens, block_size=self.block_size, kv_cache_dtype=dtype,
+                    gpu_memory_utilization=gpu_memory_utilization, device=self.device,
+                    max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs, cuda_graphs=use_cuda_graph,
+                )
+            except ValueError:
+                if self.device.type == "cuda":
+                    raise
+            else:
+                print(str(self.memory_profile))
+                return int(self.memory_profile.num_gpu_blocks)
+        blocks = max(2, CPU_KV_CACHE_BYTES // block_bytes)
         concurrency = (blocks - 1) * self.block_size / self.max_model_len
+        print(f"KV cache: {CPU_KV_CACHE_BYTES / 2**20:.0f} MiB on {self.device} (no memory profile for this model)")
         print(f"# GPU blocks: {blocks}, concurrency for {self.max_model_len}-token requests: {concurrency:.2f}x")
         return blocks
 
