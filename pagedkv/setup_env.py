@@ -166,7 +166,7 @@ def prepare(
     name, capability = device()
     dtype = kernel_dtype(capability)
     if capability is not None and dtype == "float16":
-        notes.append("this GPU has no bfloat16 (it needs compute capability 8.0): the kernels use float16")
+        notes.append("this GPU has no bfloat16 (it needs compute capability 8.0): use float16 here")
     if front_end == "colab":
         notes.append("Colab: the widgets render through Colab's custom widget manager, which anywidget turns on")
     report = SetupReport(front_end, root, name, dtype, notes)
