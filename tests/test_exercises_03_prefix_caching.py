@@ -154,3 +154,39 @@ def test_wrong_answer_fails_a_public_test_with_a_clear_message(
     failures = [msg for q, _, ok, msg in results if not ok]
     assert failures, f"{wid}: no public test of {question} catches this mistake"
     assert phrase in failures[0], f"{wid}: the first failure does not say {phrase!r}: {failures[0]}"
+
+
+def test_hash_chain_checks_hold_when_the_answer_runs_in_another_process() -> None:
+    """Under the sandboxed grader the learner's hash_chain is a proxy and its builtin_hash values come from
+    another process (Python's hash of None and of strings differ there): those are checked for their shape, the
+    sha256 chains exactly. A callable object stands in for the proxy here."""
+    from pagedkv.grading.lessons import l03_prefix_caching as l03
+
+    ns: dict = {"builtin_hash": l03.builtin_hash, "NONE_HASH": l03.NONE_HASH}
+    exec(SOLUTIONS["hash_chain"], ns)
+
+    class Proxy:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args, **kwargs):
+            return self.fn(*args, **kwargs)
+
+    salt = {"n": 0}
+
+    def other_process(token_ids, block_size, hash_fn=l03.builtin_hash, extra_keys=None):
+        out = ns["hash_chain"](token_ids, block_size, hash_fn, extra_keys)
+        if hash_fn is l03.builtin_hash:  # what another process's builtin hashes look like: other numbers
+            salt["n"] += 1
+            out = [h ^ 0x5A5A5A5A for h in out]
+        return out
+
+    for check in (l03.check_hash_chain_examples, l03.check_hash_chain_is_a_chain, l03.check_hash_chain_hidden):
+        check(Proxy(other_process))
+    assert salt["n"] > 0
+    wrong = SOLUTIONS["hash_chain"].replace("        parent = hash_fn((parent, block, extra_keys))",
+                                            "        parent = hash_fn((NONE_HASH, block, extra_keys))")
+    assert wrong != SOLUTIONS["hash_chain"]
+    exec(wrong, ns)
+    with pytest.raises(AssertionError, match="sha256_hash|parent"):
+        l03.check_hash_chain_examples(Proxy(ns["hash_chain"]))
