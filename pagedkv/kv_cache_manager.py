@@ -182,6 +182,8 @@ class KVCacheManager:
         """
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        if not isinstance(full_sequence_must_fit, bool):
+            raise ValueError(f"full_sequence_must_fit must be a bool, got {full_sequence_must_fit!r}")
         rid = request.request_id
         hits = list(new_computed_blocks or [])
         req_blocks = self.req_to_blocks.get(rid, [])

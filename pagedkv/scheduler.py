@@ -5,12 +5,17 @@ V are in the cache) and ``num_tokens`` (prompt + outputs so far); each step give
 that the first catches up with the second, under a token budget (``max_num_batched_tokens``) and a cap on
 running requests (``max_num_seqs``). A long prompt is simply given a chunk at a time (chunked prefill); a
 decoding request is given one token. Running requests are served first, in order; then waiting requests
-are admitted, first come first served, until one does not fit.
+are admitted, first come first served, until one does not fit; as in vLLM 0.26
+(``scheduler_reserve_full_isl``, on by default) a waiting request fits only when its whole current sequence
+does, not merely its first chunk.
 
 When a running request cannot get a block, another running request is preempted: the newest one (FCFS)
 or the lowest-priority one. By *recompute*, its blocks are freed and its KV will be computed again from its
 prompt and outputs; by *swap*, its blocks are first copied to a CPU block pool and copied back before it
 runs again. Either way no output token is lost, so preemption never changes what a request generates.
+Under the priority policy the victim may be a request already scheduled earlier in the same step: the blocks
+its allocation entered in the prefix cache for that step are evicted from the cache before they are freed,
+since no forward pass will write them (the lab departs from vLLM 0.26 here, which leaves them cached).
 
 Mirrors ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``). Swapping follows vLLM V0
 (``vllm/core/scheduler.py``: ``_preempt_by_swap``, ``_swap_in``; ``vllm/core/block_manager.py``:
