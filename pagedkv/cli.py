@@ -1,6 +1,7 @@
 """The ``pagedkv`` command: grade exercises, build them from their sources, run benchmarks.
 
     pagedkv grade [PATH...] [--json FILE] [--timeout S]   grade notebooks (default: exercises/)
+    pagedkv grade --class FOLDER --csv FILE              grade a class's notebooks, one CSV
     pagedkv build-exercises [--check] [NAME...]           grading/source/ -> exercises/, solutions/, zips
     pagedkv bench [NAME...]                               run the lab's benchmarks (see BENCHMARKS)
 
@@ -53,7 +54,19 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         if not target.resolve().parent.is_dir():
             print(f"pagedkv grade: --json {args.json}: the folder {target.parent} does not exist", file=sys.stderr)
             return 2
-    paths = args.paths or [str(root / "exercises")]
+    if args.csv and not args.class_folder:
+        print("pagedkv grade: --csv goes with --class FOLDER (a folder of learners' notebooks)", file=sys.stderr)
+        return 2
+    if args.class_folder:
+        if not Path(args.class_folder).is_dir():
+            print(f"pagedkv grade: --class {args.class_folder}: no such folder", file=sys.stderr)
+            return 2
+        if args.csv and not Path(args.csv).resolve().parent.is_dir():
+            print(f"pagedkv grade: --csv {args.csv}: the folder {Path(args.csv).parent} does not exist",
+                  file=sys.stderr)
+            return 2
+    paths = ([args.class_folder] if args.class_folder else []) + list(args.paths or [])
+    paths = paths or [str(root / "exercises")]
     autograder_dir = Path(args.autograder_dir) if args.autograder_dir else root / "grading" / "autograder"
     if not autograder_dir.is_dir():
         print(f"pagedkv grade: no autograder folder at {autograder_dir}", file=sys.stderr)
@@ -74,6 +87,20 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         print(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(report_json(results), indent=2) + "\n", encoding="utf-8")
+    if args.class_folder:
+        from pagedkv.grading.classroom import class_rows, learner_totals, write_csv
+
+        rows = class_rows(results, args.class_folder)
+        print("\n" + learner_totals(rows))
+        if args.csv:
+            write_csv(rows, args.csv)
+    elif results:
+        from pagedkv.grading.progress import record_progress
+
+        try:
+            record_progress(results)
+        except OSError as exc:  # a read-only checkout: the grades above still stand
+            print(f"pagedkv grade: could not record progress: {exc}", file=sys.stderr)
     if not results:
         print("pagedkv grade: nothing was graded", file=sys.stderr)
         return 2
@@ -118,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds per notebook before it is stopped and failed (default 300)")
     g.add_argument("--cell-timeout", type=float, default=60.0, metavar="S",
                    help="seconds per cell before the cell is interrupted (default 60)")
+    g.add_argument("--class", dest="class_folder", metavar="FOLDER",
+                   help="grade a class: FOLDER/<learner>/NN_name.ipynb (or FOLDER/NN_name-<learner>.ipynb)")
+    g.add_argument("--csv", metavar="FILE", help="with --class: one row per learner and exercise")
     g.add_argument("--case-timeout", type=float, default=60.0, metavar="S",
                    help="seconds one test case may spend in your code, all its calls together (default 60)")
     g.add_argument("--memory", type=float, default=4.0, metavar="GB",

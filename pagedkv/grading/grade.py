@@ -195,8 +195,21 @@ def _strip_exception_name(text: str) -> str:
 def _cell_trouble(cell: dict) -> str:
     """What happened to a learner's cell, from the worker's report: 'raised SyntaxError: ... (line 3)'."""
     if cell.get("timed_out"):
+        if "could not be interrupted" in str(cell.get("error") or ""):
+            return (f"was still running after {float(cell.get('seconds') or 0):g} s and did not stop when "
+                    "interrupted (an infinite loop that catches KeyboardInterrupt?), so it was left out")
         return f"was interrupted after {float(cell.get('seconds') or 0):g} s (an infinite loop?)"
     return f"raised {cell.get('error') or 'an error'}"
+
+
+def _cell_name(cell: dict) -> str:
+    """A cell as the learner finds it in JupyterLab: the heading it sits under and its first line, with its
+    number (every cell counted from 1, markdown too) last: 'the cell under "3. paged_admission" that starts
+    `while True:` (cell 16)'."""
+    section = str(cell.get("section") or "")
+    first = str(cell.get("first_line") or "")
+    where = f' under "{section}"' if section else ""
+    return f"the cell{where} that starts `{first}` (cell {cell.get('cell')})"
 
 
 def _explain_undefined(message: str, cells: list[dict]) -> str:
@@ -211,16 +224,15 @@ def _explain_undefined(message: str, cells: list[dict]) -> str:
     if not culprits:
         return message
     cell = culprits[-1]
-    return f"{message[: m.start()]}{name} is not defined: the cell defining {name} (cell {cell.get('cell')}) " + (
-        _cell_trouble(cell)
-    )
+    section = str(cell.get("section") or "")
+    where = f' under "{section}"' if section else ""
+    return (f"{message[: m.start()]}{name} is not defined: the cell defining {name}{where} (cell {cell.get('cell')}) "
+            + _cell_trouble(cell))
 
 
 def _interrupted_note(cells: list[dict]) -> str:
     """The notebook row's note on cells stopped by the per-cell time limit ('' when there were none)."""
-    notes = [
-        f"cell {c.get('cell')} (`{c.get('first_line', '')}`) {_cell_trouble(c)}" for c in cells if c.get("timed_out")
-    ]
+    notes = [f"{_cell_name(c)} {_cell_trouble(c)}" for c in cells if c.get("timed_out")]
     if not notes:
         return ""
     return "; ".join(notes) + ("; the cells after it still ran" if len(notes) == 1 else "; the other cells still ran")
@@ -306,7 +318,8 @@ def grade_notebook(
             "--cell-timeout", str(min(cell_timeout, timeout)), "--case-timeout", str(min(case_timeout, timeout)),
             "--memory", str(int(memory)), "--cpu-seconds", str(int(timeout) + 60),
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+        # the same string hashes in the worker and its sandboxes (builtin_hash answers must match)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg", PYTHONHASHSEED="0")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
@@ -395,13 +408,14 @@ def _display_path(path: str) -> str:
         return path
 
 
-def _clip(text: str, width: int) -> str:
+def _clip(text: str, width: int | None) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
-def format_table(results: list[NotebookResult], message_width: int = 300) -> str:
-    """The score table: one row per exercise, a total per notebook and overall."""
+def format_table(results: list[NotebookResult], message_width: int | None = None) -> str:
+    """The score table: one row per exercise, a total per notebook and overall. The first failure is shown
+    whole (its hint is the point of it), unless ``message_width`` asks for a cut."""
     rows = [("notebook", "exercise", "points", "status", "first failure")]
     for r in results:
         name = _display_path(r.notebook)

@@ -28,6 +28,7 @@ import contextlib
 import linecache
 import select
 import time
+import weakref
 from typing import Any
 
 from pagedkv.grading.sandbox import Sandbox
@@ -53,7 +54,7 @@ def is_remote(value: Any) -> bool:
 class RemoteObject:
     """A handle to one of the learner's objects in the sandbox. See the module's docstring."""
 
-    __slots__ = ("_pagedkv_client", "_pagedkv_handle_id", "_pagedkv_meta")
+    __slots__ = ("__weakref__", "_pagedkv_client", "_pagedkv_handle_id", "_pagedkv_meta")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_pagedkv_"):
@@ -119,20 +120,27 @@ class _CallableRemote(RemoteObject):
         return self._pagedkv_client.request("call", h=self._pagedkv_handle_id, args=list(args), kwargs=kwargs)
 
 
-_HANDLE_TYPES: dict[tuple[str, bool, str | None], type] = {}
+_HANDLE_TYPES: dict[tuple[str, bool, str | None, bool], type] = {}
 _EXC_TYPES: dict[tuple[str, str], type] = {}
 _BUILTIN_EXC = {name: obj for name, obj in vars(__import__("builtins")).items()
                 if isinstance(obj, type) and issubclass(obj, Exception)}
 
 
-def _handle_type(type_name: str, is_callable: bool, module: str | None = None) -> type:
+def _handle_type(type_name: str, is_callable: bool, module: str | None = None, is_class: bool = False) -> type:
     """A RemoteObject subclass named like the learner's type (``Weird``), so messages name it, and whose
-    ``__module__`` is the learner's object's (``__main__``, or the library's for an imported function)."""
-    key = (type_name, is_callable, module)
+    ``__module__`` is the learner's object's (``__main__``, or the library's for an imported function).
+
+    A handle to a learner's *class* passes ``isinstance(handle, type)`` (its ``__class__`` is ``type``) and
+    ``issubclass(handle, KVCacheManager)`` (its ``__bases__`` come from the sandbox: library classes by name,
+    the learner's own as handles), as the checks ask of an answer that must subclass a library class."""
+    key = (type_name, is_callable, module, is_class)
     if key not in _HANDLE_TYPES:
         name = type_name if type_name.isidentifier() else "RemoteObject"
         base = _CallableRemote if is_callable else RemoteObject
-        _HANDLE_TYPES[key] = type(name, (base,), {"__slots__": (), "__module__": module or "__main__"})
+        namespace: dict[str, Any] = {"__slots__": (), "__module__": module or "__main__"}
+        if is_class:
+            namespace["__class__"] = property(lambda self: type)
+        _HANDLE_TYPES[key] = type(name, (base,), namespace)
     return _HANDLE_TYPES[key]
 
 
@@ -197,44 +205,67 @@ class Client:
         self.call_seconds = 0.0
         self.slowest = 0.0
         self._tainted: dict[type, type] = {}
+        self._handles: weakref.WeakValueDictionary[int, RemoteObject] = weakref.WeakValueDictionary()
+        self._released: list[int] = []  # handles this side dropped: the sandbox may forget them
         self.codec = Codec("t", export=None, import_handle=self._import_handle, exported=None,
                            resolve=self._resolve, make_mirror=self._make_mirror)
 
     # ------------------------------------------------------------------ what the sandbox may name
     def _resolve(self, name: str) -> Any:
+        """A library name the sandbox sent: the exercise's reference functions as stubs that raise, a class
+        with reference methods as its subclass that refuses them (see :meth:`_tainted_class`)."""
         obj = resolve_name(name)
         dotted = name.replace(":", ".")
         if dotted in self.references:
-            raise ProtocolError(f"{dotted} is the exercise's reference")
+            def unavailable(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError(f"{dotted} is not available while grading (it is the exercise's reference)")
+            unavailable.__name__ = dotted.rsplit(".", 1)[-1]
+            return unavailable
+        if isinstance(obj, type) and not issubclass(obj, BaseException):
+            return self._tainted_class(obj)
         return obj
 
-    def _make_mirror(self, cls: type, mid: str) -> Any:
-        """A library object the sandbox made: with the exercise's reference methods refused."""
+    def _tainted_class(self, cls: type) -> type:
+        """``cls``, or when some of its methods are the exercise's reference, a subclass of the same name whose
+        reference methods raise: what this side makes of a library object or class the learner's code sent."""
         tainted = self._tainted.get(cls)
         if tainted is None:
-            prefix = f"{cls.__module__}.{cls.__qualname__}."
-            names = [r[len(prefix):] for r in self.references if r.startswith(prefix) and "." not in r[len(prefix):]]
+            prefixes = [f"{k.__module__}.{k.__qualname__}." for k in cls.__mro__]
+            names = {r[len(p):] for r in self.references for p in prefixes
+                     if r.startswith(p) and "." not in r[len(p):]}
+            names.discard("__init__")
             if not names:
                 tainted = cls
             else:
                 def refused(name: str) -> Any:
                     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
                         raise RuntimeError(f"{cls.__name__}.{name} is not available on an object the learner's code "
-                                           "made (it is the exercise's reference)")
+                                           "made or sent (it is the exercise's reference)")
                     return method
-                tainted = type(cls.__name__, (cls,), {n: refused(n) for n in names if n != "__init__"})
+                tainted = type(cls.__name__, (cls,), {n: refused(n) for n in sorted(names)})
                 tainted.__module__ = cls.__module__
+                tainted.__qualname__ = cls.__qualname__
             self._tainted[cls] = tainted
-        return object.__new__(tainted)
+        return tainted
+
+    def _make_mirror(self, cls: type, mid: str) -> Any:
+        """A library object the sandbox made (``cls`` already passed through :meth:`_resolve`)."""
+        return object.__new__(cls)
 
     def _import_handle(self, meta: dict) -> RemoteObject:
+        hid = int(meta["$h"])
+        known = self._handles.get(hid)
+        if known is not None:
+            return known
         module = meta.get("module")
         cls = _handle_type(str(meta.get("type") or "object"), bool(meta.get("callable")),
-                           module if isinstance(module, str) else None)
+                           module if isinstance(module, str) else None, bool(meta.get("is_class")))
         obj = object.__new__(cls)
         object.__setattr__(obj, "_pagedkv_client", self)
         object.__setattr__(obj, "_pagedkv_handle_id", int(meta["$h"]))
         object.__setattr__(obj, "_pagedkv_meta", meta)
+        self._handles[hid] = obj
+        weakref.finalize(obj, self._released.append, hid)
         return obj
 
     # ------------------------------------------------------------------ test cases
@@ -245,6 +276,8 @@ class Client:
 
     def end_case(self) -> None:
         self.deadline = None
+        self._handles.clear()
+        self._released.clear()
         if self.dead is None:
             with contextlib.suppress(BaseException):
                 self._exchange({"op": "reset"}, timeout=_GRACE)
@@ -252,8 +285,12 @@ class Client:
 
     def too_slow_message(self) -> str:
         avg = self.call_seconds / self.calls if self.calls else 0.0
+
+        def secs(x: float) -> str:
+            return f"{x:.2f} s" if x >= 0.01 else f"{x * 1000:.2f} ms"
+
         return (f"too slow: this test case's {self.calls} call{'s' if self.calls != 1 else ''} of your code took "
-                f"{self.call_seconds:.1f} s in all ({avg:.2f} s per call on average, the slowest {self.slowest:.2f} s),"
+                f"{self.call_seconds:.1f} s in all ({secs(avg)} per call on average, the slowest {secs(self.slowest)}),"
                 f" past the limit of {self.budget:g} s for one test case; each call is correct only if it is also "
                 "fast enough: look for repeated work (a loop over all blocks inside a loop, a sleep)")
 
@@ -297,8 +334,11 @@ class Client:
                 msg[key] = value
             else:
                 msg[key] = codec.encode(value)
-        msg["mirrors"] = codec.mirror_states()
+        msg["mirrors"] = codec.mirror_states([v for k, v in fields.items() if k not in ("h", "name", "names",
+                                                                                   "kernel")])
         msg["storages"] = codec.storages()
+        if self._released:
+            msg["release"], self._released = self._released, []
         timeout = None if self.deadline is None else max(0.0, self.deadline - now)
         start = time.monotonic()
         try:

@@ -346,7 +346,7 @@ class Sandbox:
             "TRITON_CACHE_DIR": str(self.root / "tmp" / "triton"), "MPLCONFIGDIR": str(self.root / "tmp" / "mpl"),
             "LANG": "C.UTF-8",
         }
-        for key in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PAGEDKV_DEVICE"):
+        for key in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PAGEDKV_DEVICE", "PAGEDKV_SANDBOX_PROFILE"):
             if key in os.environ:
                 env[key] = os.environ[key]
         hide = _hidden_paths(repo)

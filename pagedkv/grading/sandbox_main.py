@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import linecache
+import os
 import sys
 import traceback
 from typing import Any
@@ -42,13 +43,16 @@ class Server:
             pass
         self.handles: dict[int, Any] = {}
         self.handle_ids: dict[int, int] = {}
+        self.next_handle = 0
+        self.roots: list[Any] = []  # what this request's code could reach: target, arguments, result
         self.codec = Codec("s", export=self.export, import_handle=None, exported=self.handles.__getitem__)
 
     # ------------------------------------------------------------------ handles
     def export(self, obj: Any) -> dict:
         hid = self.handle_ids.get(id(obj))
         if hid is None or self.handles.get(hid) is not obj:
-            hid = len(self.handles) + 1
+            self.next_handle += 1
+            hid = self.next_handle
             self.handles[hid] = obj
             self.handle_ids[id(obj)] = hid
         name = getattr(obj, "__name__", None) if isinstance(obj, type) or callable(obj) else None
@@ -107,8 +111,13 @@ class Server:
             self.handle_ids.clear()
             self.codec.clear()
             return {}
+        for hid in msg.get("release") or []:  # handles the trusted side no longer holds
+            obj = self.handles.pop(int(hid), None)
+            if obj is not None and self.handle_ids.get(id(obj)) == int(hid):
+                del self.handle_ids[id(obj)]
         self.codec.load_storages(msg.get("storages") or {})
         self.codec.apply_mirror_states(msg.get("mirrors") or {})
+        self.roots = []
         if op == "names":
             out = {}
             for name in msg["names"]:
@@ -121,7 +130,14 @@ class Server:
         target = self.handles.get(int(msg.get("h", 0))) if "h" in msg else None
         if "h" in msg and int(msg["h"]) not in self.handles:
             raise ProtocolError("unknown handle")
-        decode = self.codec.decode
+        roots = self.roots
+
+        def decode(value: Any) -> Any:
+            out = self.codec.decode(value)
+            roots.append(out)
+            return out
+
+        roots.append(target)
         if op == "call":
             result = target(*decode(msg.get("args") or []), **decode(msg.get("kwargs") or {"$dict": []}))
         elif op == "getattr":
@@ -158,6 +174,7 @@ class Server:
             result = None
         else:
             raise ProtocolError(f"unknown request {op!r}")
+        roots.append(result)
         return {"value": self.codec.encode(result)}
 
     def serve(self) -> None:
@@ -175,7 +192,7 @@ class Server:
                 reply = {"raised": exception_info(exc)}
             if msg.get("op") not in ("exec", "reset"):
                 try:
-                    reply["mirrors"] = self.codec.mirror_states()
+                    reply["mirrors"] = self.codec.mirror_states(self.roots)
                     reply["writeback"] = {sid: self.codec._encode_storage_bytes(t)
                                           for sid, t in self.codec.received_storages.items()}
                     reply["storages"] = self.codec.storages()
@@ -196,7 +213,13 @@ class Server:
 
 def main() -> None:
     fd_in, fd_out = int(sys.argv[1]), int(sys.argv[2])
-    Server(fd_in, fd_out).serve()
+    profile = os.environ.get("PAGEDKV_SANDBOX_PROFILE")  # a developer's switch: where to dump a cProfile
+    if not profile:
+        Server(fd_in, fd_out).serve()
+        return
+    import cProfile
+
+    cProfile.runctx("Server(fd_in, fd_out).serve()", globals(), locals(), profile)
 
 
 if __name__ == "__main__":

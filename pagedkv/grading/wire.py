@@ -34,6 +34,7 @@ import importlib
 import json
 import os
 import struct
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,37 @@ def _remote_base() -> type:
     except ImportError:  # the sandbox's copy: it never holds handles
         return type(None)
     return RemoteObject
+
+
+_SCALARS = {int, float, str, bytes, bool, type(None)}
+_SEQUENCES = {list, tuple, collections.deque}
+_MAPPINGS = {dict, collections.OrderedDict, collections.defaultdict}
+_DEEP = _SEQUENCES | _MAPPINGS | {set, frozenset}
+_GETTERS: dict[type, Any] = {}
+
+
+def _getter(cls: type, slots: tuple[str, ...]) -> Any:
+    g = _GETTERS.get(cls)
+    if g is None:
+        import operator
+
+        g = _GETTERS[cls] = operator.attrgetter(*slots)
+    return g
+
+
+class _Identity:
+    """Compares by the identity of the object it holds (a fingerprint must not call a learner's ``__eq__``)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
 
 
 class ProtocolError(Exception):
@@ -105,7 +137,7 @@ def qualified_name(obj: Any) -> str | None:
 def resolve_name(name: str) -> Any:
     """The object named ``module:qualname``, imported in this process (library names only)."""
     module, _, qual = name.partition(":")
-    if not (module == "pagedkv" or module.startswith("pagedkv.")) or not qual:
+    if not is_library_module(module) or not qual:
         raise ProtocolError(f"{name!r} is not a library name")
     obj: Any = importlib.import_module(module)
     for part in qual.split("."):
@@ -114,8 +146,23 @@ def resolve_name(name: str) -> Any:
 
 
 def is_library_module(module: Any) -> bool:
-    return isinstance(module, str) and (module == "pagedkv" or module.startswith("pagedkv.")) and not \
-        module.startswith("pagedkv.grading.")
+    """The library and the lessons' checks (``pagedkv.grading.lessons``): code both sides have, whose objects
+    are mirrored and whose names may cross; never the grader's own machinery."""
+    if not isinstance(module, str) or not (module == "pagedkv" or module.startswith("pagedkv.")):
+        return False
+    return not module.startswith("pagedkv.grading") or module.startswith("pagedkv.grading.lessons")
+
+
+def _library_base(cls: type, *, exact: bool) -> type | None:
+    """The library class an instance of ``cls`` is mirrored as: ``cls`` itself when it is the library's; on the
+    trusted side (``exact`` False) also a test's own subclass of a library class, as its first library base
+    (the sandbox gets the library class with the same state; its changes come back into the test's object)."""
+    for klass in (cls,) if exact else cls.__mro__:
+        if klass is object:
+            return None
+        if is_library_module(getattr(klass, "__module__", None)) and qualified_name(klass) is not None:
+            return klass
+    return None
 
 
 def exception_info(exc: BaseException) -> dict:
@@ -158,14 +205,16 @@ class Codec:
         self._make_mirror = make_mirror
         self.mirrors: dict[str, Any] = {}  # id -> object
         self._mirror_ids: dict[int, str] = {}  # id(object) -> id
-        self._last_state: dict[str, str] = {}  # id -> the state last sent or received, as JSON
+        self._last_state: dict[str, Any] = {}  # id -> the fingerprint of the state last sent or received
         self._counter = 0
+        self._new: list[str] = []  # mirrored objects registered since the last mirror_states
         self._storages: dict[int, tuple[str, Any]] = {}  # while encoding: storage pointer -> (id, tensor)
         self._storage_out: dict[str, dict] = {}
         self.received_storages: dict[str, Any] = {}  # while decoding: storage id -> tensor (flat, uint8)
 
     # -------------------------------------------------------------- mirrors
     def clear(self) -> None:
+        self._new.clear()
         self.mirrors.clear()
         self._mirror_ids.clear()
         self._last_state.clear()
@@ -177,37 +226,127 @@ class Codec:
             mid = f"{self.side}{self._counter}"
             self.mirrors[mid] = obj
             self._mirror_ids[id(obj)] = mid
+            self._new.append(mid)
         return mid
 
-    @staticmethod
-    def _state(obj: Any) -> dict[str, Any]:
+    _SLOTS: dict[type, tuple[str, ...]] = {}
+
+    @classmethod
+    def _slot_names(cls, klass: type) -> tuple[str, ...]:
+        names = cls._SLOTS.get(klass)
+        if names is None:
+            found: list[str] = []
+            for k in klass.__mro__:
+                slots = getattr(k, "__slots__", ()) or ()
+                for slot in (slots,) if isinstance(slots, str) else slots:
+                    if slot not in ("__dict__", "__weakref__") and slot not in found:
+                        found.append(slot)
+            names = cls._SLOTS[klass] = tuple(found)
+        return names
+
+    @classmethod
+    def _state(cls, obj: Any) -> dict[str, Any]:
         state = dict(getattr(obj, "__dict__", {}) or {})
-        for klass in type(obj).__mro__:
-            for slot in getattr(klass, "__slots__", ()) or ():
-                if slot in ("__dict__", "__weakref__") or slot in state:
-                    continue
+        for slot in cls._slot_names(type(obj)):
+            if slot not in state:
                 try:
                     state[slot] = object.__getattribute__(obj, slot)
                 except AttributeError:
                     pass
         return state
 
-    def mirror_states(self) -> dict[str, dict]:
-        """The states of every mirrored object that changed since they last crossed (new ones included)."""
+    @classmethod
+    def _fp(cls, v: Any, depth: int = 0) -> Any:
+        """A cheap fingerprint of a value: equal fingerprints mean nothing to send. Objects count by identity
+        (a mirrored object's own state is fingerprinted separately), containers by a shallow copy (deeper only
+        when they hold containers), tensors by storage and version."""
+        t = type(v)
+        if t in _SCALARS:
+            return v
+        if t in _SEQUENCES:
+            if depth < 6 and any(type(x) in _DEEP for x in v):
+                return (t, tuple(cls._fp(x, depth + 1) for x in v))
+            return (t, tuple(v))
+        if t in _MAPPINGS:
+            items = tuple(v.items())
+            if depth < 6 and any(type(k) in _DEEP or type(x) in _DEEP for k, x in items):
+                return (t, tuple((cls._fp(k, depth + 1), cls._fp(x, depth + 1)) for k, x in items))
+            return (t, items)
+        if t in (set, frozenset):
+            return (t, frozenset(v))
+        if t.__module__ == "torch":
+            return ("tensor", id(v), getattr(v, "_version", None))
+        return _Identity(v)
+
+    def _fingerprint(self, obj: Any) -> Any:
+        d = getattr(obj, "__dict__", None)
+        values: tuple = ()
+        if d:
+            values = (tuple(d), *d.values())
+        slots = self._slot_names(type(obj))
+        if slots:
+            try:
+                got = _getter(type(obj), slots)(obj)
+                values += got if len(slots) > 1 else (got,)
+            except AttributeError:
+                values += tuple(self._state(obj).items())
+        if any(type(x) in _DEEP for x in values):
+            return tuple(self._fp(x) for x in values)
+        return tuple(_Identity(x) if type(x) not in _SCALARS else x for x in values)
+
+    def reachable(self, roots: list[Any]) -> list[str]:
+        """The mirrored objects reachable from ``roots``: through containers, mirrored objects' state, and other
+        objects' ``__dict__`` (the learner's objects, on the sandbox's side); never through code or modules."""
+        seen: set[int] = set()
+        found: list[str] = []
+        stack = list(roots)
+        while stack:
+            v = stack.pop()
+            t = type(v)
+            if t in _SCALARS or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if t in _SEQUENCES or t in (set, frozenset):
+                stack.extend(v)
+                continue
+            if t in _MAPPINGS:
+                stack.extend(v.keys())
+                stack.extend(v.values())
+                continue
+            mid = self._mirror_ids.get(id(v))
+            if mid is not None and self.mirrors.get(mid) is v:
+                found.append(mid)
+                stack.extend(self._state(v).values())
+                continue
+            if isinstance(v, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+                              types.MethodType)) or t.__module__ == "torch":
+                continue
+            try:
+                d = object.__getattribute__(v, "__dict__")
+            except AttributeError:
+                continue
+            if type(d) is dict:
+                stack.extend(d.values())
+        return found
+
+    def mirror_states(self, roots: list[Any] | None = None) -> dict[str, dict]:
+        """The states of the mirrored objects that changed since they last crossed (new ones included): all of
+        them, or those reachable from ``roots`` (what the message's code could have reached)."""
         out: dict[str, dict] = {}
         done: set[str] = set()
-        while True:
-            todo = [mid for mid in list(self.mirrors) if mid not in done]
-            if not todo:
-                return out
+        todo = list(self.mirrors) if roots is None else self.reachable(roots)
+        while todo:
             for mid in todo:
                 done.add(mid)
                 obj = self.mirrors[mid]
-                state = {k: self.encode(v) for k, v in self._state(obj).items()}
-                text = json.dumps(state, sort_keys=True, separators=(",", ":"))
-                if self._last_state.get(mid) != text:
-                    self._last_state[mid] = text
-                    out[mid] = {"class": qualified_name(type(obj)), "state": state}
+                fp = self._fingerprint(obj)
+                if self._last_state.get(mid) != fp:
+                    self._last_state[mid] = fp
+                    out[mid] = {"class": qualified_name(_library_base(type(obj), exact=False) or type(obj)),
+                                "state": {k: self.encode(v) for k, v in self._state(obj).items()}}
+            todo = [mid for mid in self._new if mid not in done]
+            self._new.clear()
+        return out
 
     def apply_mirror_states(self, states: dict) -> None:
         if not isinstance(states, dict):
@@ -223,9 +362,7 @@ class Codec:
         for mid, entry in states.items():
             obj = self.mirrors[mid]
             state = {str(k): self.decode(v) for k, v in (entry.get("state") or {}).items()}
-            slots = set()
-            for klass in type(obj).__mro__:
-                slots.update(getattr(klass, "__slots__", ()) or ())
+            slots = set(self._slot_names(type(obj)))
             if hasattr(obj, "__dict__"):
                 obj.__dict__.clear()
             for k, v in state.items():
@@ -233,7 +370,8 @@ class Codec:
                     object.__setattr__(obj, k, v)
                 else:
                     obj.__dict__[k] = v
-            self._last_state[mid] = json.dumps(entry.get("state") or {}, sort_keys=True, separators=(",", ":"))
+        for mid in states:
+            self._last_state[mid] = self._fingerprint(self.mirrors[mid])
 
     # -------------------------------------------------------------- tensors
     def begin(self) -> None:
@@ -336,6 +474,8 @@ class Codec:
         if type(value) is collections.defaultdict and value.default_factory in (list, int, set, dict, float):
             return {"$ddict": [[self.encode(k), self.encode(v)] for k, v in value.items()],
                     "factory": value.default_factory.__name__}
+        if type(value) is range:
+            return {"$range": [value.start, value.stop, value.step]}
         if type(value) is slice:
             return {"$slice": [self.encode(value.start), self.encode(value.stop), self.encode(value.step)]}
         if isinstance(value, BaseException) and self._export is None:
@@ -360,11 +500,9 @@ class Codec:
                 callable(value) and type(value).__name__ in ("function", "builtin_function_or_method")
                 and is_library_module(getattr(value, "__module__", None))):
             name = qualified_name(value)
-            if name is not None and self._export is None:
+            if name is not None:
                 return {"$ref": name}
-        if is_library_module(type(value).__module__) and not isinstance(value, type) and \
-                qualified_name(type(value)) is not None and (hasattr(value, "__dict__") or
-                                                             getattr(type(value), "__slots__", None) is not None):
+        if not isinstance(value, type) and _library_base(type(value), exact=self._export is not None) is not None:
             return {"$m": self._mirror_id(value)}
         if self._export is not None:
             return self._export(value)
@@ -394,6 +532,8 @@ class Codec:
         if "$ddict" in value:
             factory = {"list": list, "int": int, "set": set, "dict": dict, "float": float}[value["factory"]]
             return collections.defaultdict(factory, {self.decode(k): self.decode(v) for k, v in value["$ddict"]})
+        if "$range" in value:
+            return range(*(int(v) for v in value["$range"]))
         if "$slice" in value:
             return slice(*(self.decode(v) for v in value["$slice"]))
         if "$tensor" in value:

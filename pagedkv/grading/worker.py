@@ -94,8 +94,9 @@ class NotANotebook(ValueError):
     pass
 
 
-def notebook_cells(path: Path) -> list[tuple[int, str]]:
-    """(number, source) of each code cell, numbered over all cells from 1; :class:`NotANotebook` otherwise."""
+def notebook_cells(path: Path) -> list[tuple[int, str, str]]:
+    """(number, source, section) of each code cell, numbered over all cells from 1, ``section`` the last
+    markdown heading above it (what JupyterLab's table of contents shows); :class:`NotANotebook` otherwise."""
     data = path.read_bytes()
     try:
         nb = json.loads(data.decode("utf-8"))
@@ -104,15 +105,22 @@ def notebook_cells(path: Path) -> list[tuple[int, str]]:
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
         raise NotANotebook("the file is not a notebook (JSON, but without a list of cells)")
     out = []
+    section = ""
     for i, cell in enumerate(nb["cells"]):
         if not isinstance(cell, dict):
             raise NotANotebook(f"the file is not a notebook (cell {i + 1} is not an object)")
-        if cell.get("cell_type") != "code":
-            continue
         source = cell.get("source", "")
         if isinstance(source, list):
             source = "".join(str(s) for s in source)
-        out.append((i + 1, str(source)))
+        if cell.get("cell_type") == "markdown":
+            for line in str(source).splitlines():
+                m = re.match(r"^#{1,6}\s+(.*\S)\s*$", line)
+                if m:
+                    section = re.sub(r"\s*\(\d+(\.\d+)?\s+points?\)\s*$", "", m.group(1))
+                    break
+        if cell.get("cell_type") != "code":
+            continue
+        out.append((i + 1, str(source), section))
     return out
 
 
@@ -205,9 +213,10 @@ _CURRENT: dict[str, Any] = {}
 
 
 class Grader:
-    def __init__(self, cells: list[tuple[int, str]], *, cell_timeout: float, case_timeout: float,
+    def __init__(self, cells: list[tuple[int, str, str]], *, cell_timeout: float, case_timeout: float,
                  memory: int, cpu_seconds: int) -> None:
-        self.cells = [(n, without_checks(src), src) for n, src in cells]
+        self.cells = [(n, without_checks(src), src) for n, src, _ in cells]
+        self.sections = {n: section for n, _, section in cells}
         self.cell_timeout = cell_timeout
         self.case_timeout = case_timeout
         self.memory = memory
@@ -219,7 +228,8 @@ class Grader:
         if number in self.reports:
             return
         first = next((ln.strip() for ln in original.splitlines() if ln.strip()), "")
-        self.reports[number] = {"cell": number, "first_line": first[:80], "defines": defined_names(original),
+        self.reports[number] = {"cell": number, "section": self.sections.get(number, ""),
+                                "first_line": first[:80], "defines": defined_names(original),
                                 "timed_out": False, "seconds": float(self.cell_timeout), "error": "", **what}
 
     def open(self, references: list[str]) -> Any:
@@ -245,6 +255,7 @@ class Grader:
                     break
                 if result.get("timed_out"):
                     self._report(number, original, timed_out=True, error=str(result.get("error") or ""))
+                    self.skip.add(number)  # the next exercises' sandboxes leave it out: it would loop again
                     if client.dead is not None:
                         died_at = number
                         break
