@@ -7,6 +7,7 @@ sources are there, nor on timing.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from pagedkv.parity import ParityReport, available, check
 from pagedkv.parity import fetch as parity_fetch
 from pagedkv.parity.report import Divergence, DriverResult
 from pagedkv.parity.runner import compare
+from pagedkv.scheduler import Scheduler
 
 pytestmark = pytest.mark.parity
 
@@ -118,3 +120,33 @@ def test_report_text_and_html():
     assert not report.ok and "s0: [1, 2] | [1, 3]   <-- differs" in str(report)
     page = report._repr_html_()
     assert page.startswith("<pre") and '<td style="background:#ffd7d5">3</td>' in page
+
+
+class FirstChunkScheduler(Scheduler):
+    """Admits on the first chunk (the gate off), where vLLM 0.26 waits until the whole prompt fits."""
+
+    def __init__(self, kv_cache_manager, max_num_seqs, max_num_batched_tokens):
+        super().__init__(kv_cache_manager, max_num_seqs, max_num_batched_tokens, scheduler_reserve_full_isl=False)
+
+
+def test_the_scheduler_driver_sees_the_admission_gate(library_report):
+    report = check(4, seeds=20, impl=FirstChunkScheduler)
+    assert not report.ok
+    d = report.drivers[0].divergence
+    assert d.op["op"] == "step" and d.vllm["scheduled"] != d.lab["scheduled"]
+
+
+def test_a_scheduler_factory_is_accepted(library_report):
+    report = check(4, seeds=5, impl=functools.partial(Scheduler, policy="fcfs"))
+    assert report.ok, str(report)
+    assert str(report).startswith("Your Scheduler agrees with vLLM 0.26 on 5 random workloads")
+
+
+def test_a_constructor_that_raises_is_the_first_divergence(library_report):
+    class BrokenPool(BlockPool):
+        def __init__(self, num_blocks, enable_caching=True):
+            raise RuntimeError("not written yet")
+
+    report = check(2, seeds=3, impl=BrokenPool)
+    d = report.drivers[0].divergence
+    assert d.index == 0 and d.lab == {"error": "RuntimeError: not written yet"}

@@ -42,6 +42,17 @@ def make_manager(cfg: ManagerConfig | SchedulerConfig, impl: Any = None) -> Any:
     )
 
 
+def is_scheduler_factory(impl: Any) -> bool:
+    """A ``Scheduler``-compatible class (it has ``schedule``), or any other callable that is not a pool or
+    manager class, e.g. ``functools.partial(PluggableScheduler, schedule_waiting=...)``: called as
+    ``impl(kv_cache_manager, max_num_seqs, max_num_batched_tokens)``."""
+    if hasattr(impl, "schedule"):
+        return True
+    return callable(impl) and not isinstance(impl, type) and not (
+        hasattr(impl, "allocate_slots") or hasattr(impl, "get_new_blocks")
+    )
+
+
 class LabManagerSide:
     """``KVCacheManager`` operations as the manager driver calls them."""
 
@@ -99,7 +110,7 @@ class LabSchedulerSide:
     to run under the lab's scheduler."""
 
     def __init__(self, cfg: SchedulerConfig, impl: Any = None) -> None:
-        if impl is not None and hasattr(impl, "schedule"):
+        if impl is not None and is_scheduler_factory(impl):
             manager = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
             self.scheduler = impl(manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         else:

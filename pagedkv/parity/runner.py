@@ -108,16 +108,24 @@ def compare(
 def _lab_trace(name: str, seed: int, enable_caching: bool | None, impl: Any) -> tuple[dict[str, Any], list]:
     from pagedkv.parity.lab_side import LabManagerSide, LabSchedulerSide
 
+    cfg: workloads.ManagerConfig | workloads.SchedulerConfig
     if name == "manager":
         cfg = workloads.manager_config(seed, bool(enable_caching))
-        return workloads.config_dict(cfg), workloads.run_manager(LabManagerSide(cfg, impl), seed, cfg)
-    cfg = workloads.scheduler_config(seed)
-    return workloads.config_dict(cfg), workloads.run_scheduler(LabSchedulerSide(cfg, impl), seed, cfg)
+    else:
+        cfg = workloads.scheduler_config(seed)
+    try:
+        side = LabManagerSide(cfg, impl) if name == "manager" else LabSchedulerSide(cfg, impl)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - a learner's constructor failing is a divergence at entry 0
+        return workloads.config_dict(cfg), [{"op": {"op": "create"}, "obs": {"error": f"{type(exc).__name__}: {exc}"}}]
+    if name == "manager":
+        return workloads.config_dict(cfg), workloads.run_manager(side, seed, cfg)  # type: ignore[arg-type]
+    return workloads.config_dict(cfg), workloads.run_scheduler(side, seed, cfg)  # type: ignore[arg-type]
 
 
 def who(impl: Any, lessons: list[int]) -> str:
     if impl is not None:
-        return f"Your {getattr(impl, '__name__', type(impl).__name__)}"
+        target = getattr(impl, "func", impl)  # a functools.partial names its function
+        return f"Your {getattr(target, '__name__', type(target).__name__)}"
     return "The library's Scheduler" if lessons == [4] else "The library"
 
 
