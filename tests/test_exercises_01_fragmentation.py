@@ -61,3 +61,10 @@ def test_paged_admission_fcfs_for_skip_and_hard_coded_answers_fail_with_hints() 
     hard = "def paged_admission(lens, pool_blocks, block_size, policy='fcfs'):\n    return list(range(13))\n"
     passed, total, first = _points(NB.grade({"paged_admission": hard}, only={"paged_admission"}), "paged_admission")
     assert passed == 0 and "paged_admission([], 128, 16, 'fcfs') returned [0, 1, 2" in first
+
+
+def test_run_all_goes_on_past_an_answer_that_raises() -> None:
+    raising = "def paged_admission(lens, pool_blocks, block_size, policy='fcfs'):\n    raise NotImplementedError\n"
+    results = NB.grade({"paged_admission": raising}, only={"paged_admission"})  # a demo cell that raised would raise
+    assert results and not any(ok for _, _, ok, _ in results)
+    assert all("raised NotImplementedError" in msg for *_, msg in results)

@@ -190,3 +190,19 @@ def test_hash_chain_checks_hold_when_the_answer_runs_in_another_process() -> Non
     exec(wrong, ns)
     with pytest.raises(AssertionError, match="sha256_hash|parent"):
         l03.check_hash_chain_examples(Proxy(ns["hash_chain"]))
+
+
+def test_run_all_goes_on_past_answers_that_raise() -> None:
+    """Every demo ("Try it") cell prints what went wrong instead of stopping the notebook."""
+    strict = SourceNotebook(SOURCE, tolerate_cell_errors=False)
+    answers = {}
+    for q, src in strict.solutions.items():
+        lines = src.split("\n")
+        out = []
+        for line in lines:
+            out.append(line)
+            if line.strip() == "# BEGIN SOLUTION":
+                out.append(line[: len(line) - len(line.lstrip())] + "raise RuntimeError('not yet')")
+        answers[q] = "\n".join(out)
+    results = strict.grade(answers)
+    assert results and not any(ok for _, _, ok, _ in results)
