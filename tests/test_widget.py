@@ -16,8 +16,8 @@ import pytest
 
 from pagedkv import EventTrace, KVCacheManager, Request
 from pagedkv.widgets import BlockTableWidget, TraceRecorder, block_owners, frame_to_svg, view_frame, view_frames
-from pagedkv.widgets.filmstrip import filmstrip_svg, key_frames
-from pagedkv.widgets.frames import ROLES, decode_views, grid_shape, request_colours, roles_used
+from pagedkv.widgets.filmstrip import MAX_SVG_CHARS, filmstrip_svg, fit_filmstrip, key_frames
+from pagedkv.widgets.frames import ROLES, decode_views, grid_shape, request_colours, request_order, roles_used
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_NOTEBOOK = REPO / "tests" / "browser" / "block_table_demo.ipynb"
@@ -642,3 +642,28 @@ def test_colab_gets_its_custom_widget_manager(rec: TraceRecorder, monkeypatch: p
     meta = published[0][1]["application/vnd.jupyter.widget-view+json"]
     assert meta["colab"]["custom_widget_manager"]["url"].startswith("https://")
     assert calls in (["enabled"], []), calls  # enabled once per process (anywidget caches it)
+
+
+def test_filmstrip_of_a_large_pool_stays_small() -> None:
+    """A notebook stores the picture beside every widget: past the budget, panels go compact, then fewer."""
+    views = view_frames(scheduler_trace("swap").frames)
+    ids = request_order(scheduler_trace("swap").frames)
+    colours = request_colours(ids)
+    full, picks = fit_filmstrip(views, colours)
+    assert picks == key_frames(views) and "block tables: logical block" in full, "a small trace: full panels"
+    budget = len(full) * 2 // 3
+    svg, fewer = fit_filmstrip(views, colours, max_chars=budget)
+    assert len(svg) <= budget and "block tables: logical block" not in svg and "shown in the live widget" in svg
+    assert [k for k, _ in fewer] == [k for k, _ in key_frames(views, len(fewer))], "the most telling frames kept"
+    one, last = fit_filmstrip(views, colours, max_chars=10)  # nothing fits: one compact frame all the same
+    assert len(last) == 1 and ET.fromstring(one) is not None
+
+    m = KVCacheManager(num_blocks=400, block_size=4)
+    rec = TraceRecorder(m)
+    for i in range(40):
+        req = Request(f"r{i}", list(range(i * 1000, i * 1000 + 37)))
+        m.allocate_slots(req, req.num_tokens)
+    w = BlockTableWidget.from_recorder(rec)
+    assert len(w.filmstrip_svg()) <= MAX_SVG_CHARS
+    text = w.filmstrip_mimebundle()["text/plain"]
+    assert text.startswith(f"[block table, {len(rec.frames)} frames; key frames: allocation"), text

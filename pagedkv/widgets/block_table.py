@@ -27,7 +27,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from pagedkv.widgets.filmstrip import DEFAULT_MAX_FRAMES, filmstrip_svg, key_frames
+from pagedkv.widgets.filmstrip import DEFAULT_MAX_FRAMES, fit_filmstrip
 from pagedkv.widgets.frames import ROLES, encode_views, request_colours, request_order, roles_used, view_frames
 from pagedkv.widgets.svg import render_view_svg
 
@@ -94,6 +94,7 @@ class BlockTableWidget(anywidget.AnyWidget):
         self._static = static
         self._static_frame: int | str = static_frame if isinstance(static_frame, str) else static_frame % n
         self._static_max_frames = static_max_frames
+        self._strips: dict[int, tuple[str, list[tuple[int, str]]]] = {}
         super().__init__(
             frames=encode_views(views),
             frame=frame % n,
@@ -158,16 +159,24 @@ class BlockTableWidget(anywidget.AnyWidget):
             "text/plain": f"[block table, frame {k} of {len(self.frames) - 1}: {self.views[k]['caption']}]",
         }
 
+    def _filmstrip(self, max_frames: int | None) -> tuple[str, list[tuple[int, str]]]:
+        k = self._static_max_frames if max_frames is None else max_frames
+        if k not in self._strips:
+            self._strips[k] = fit_filmstrip(
+                self.views, self.colors, k, title=self.title, request_ids=self.request_ids,
+                legend_roles=self.legend_roles,
+            )  # fmt: skip
+        return self._strips[k]
+
     def key_frames(self, max_frames: int | None = None) -> list[tuple[int, str]]:
-        """The frames the filmstrip shows, ``[(index, label), ...]`` in time order (``filmstrip.key_frames``)."""
-        return key_frames(self.views, self._static_max_frames if max_frames is None else max_frames)
+        """The frames the filmstrip shows, ``[(index, label), ...]`` in time order (``filmstrip.key_frames``;
+        fewer when a large pool's strip would pass ``filmstrip.MAX_SVG_CHARS``)."""
+        return list(self._filmstrip(max_frames)[1])
 
     def filmstrip_svg(self, max_frames: int | None = None) -> str:
-        """The key frames (``key_frames``) as one SVG strip of numbered panels, drawn as the widget draws them."""
-        return filmstrip_svg(
-            self.views, self.colors, self.key_frames(max_frames), title=self.title, request_ids=self.request_ids,
-            legend_roles=self.legend_roles,
-        )  # fmt: skip
+        """The key frames as one SVG strip of numbered panels, drawn as the widget draws them
+        (``filmstrip.fit_filmstrip``)."""
+        return self._filmstrip(max_frames)[0]
 
     def filmstrip_mimebundle(self, max_frames: int | None = None) -> dict[str, str]:
         """The filmstrip as an output, the same three ways as ``static_mimebundle``."""

@@ -38,6 +38,9 @@ _BEFORE_PEAK = ("allocation", "sharing", "copy-on-write", "preemption", "swap ou
 
 #: How many panels a strip shows by default.
 DEFAULT_MAX_FRAMES = 6
+#: The most characters a strip's SVG may take (a notebook stores it twice): past it, ``fit_filmstrip`` draws the
+#: panels compact (no free queue, no block tables), then with fewer frames.
+MAX_SVG_CHARS = 300_000
 
 
 def key_frames(views: Sequence[Mapping[str, Any]], max_frames: int = DEFAULT_MAX_FRAMES) -> list[tuple[int, str]]:
@@ -102,10 +105,14 @@ def filmstrip_svg(
     columns: int = 2,
     scale: float = 0.7,
     panel_width: int = 600,
+    compact: bool = False,
+    panel_cache: dict[tuple[int, bool], str] | None = None,
 ) -> str:
     """One SVG with the frames ``picks`` (``[(index, label), ...]``, e.g. from ``key_frames``) as numbered panels,
     ``columns`` to a row, each drawn as the widget draws it (at least ``panel_width`` px wide) and scaled by
-    ``scale``; one legend below. The defaults keep a six-frame strip about as wide as a notebook's output."""
+    ``scale``; one legend below. The defaults keep a six-frame strip about as wide as a notebook's output.
+    ``compact``: panels without the free queue and the block tables. ``panel_cache``: drawn panels by
+    ``(index, compact)``, reused across calls (``fit_filmstrip`` draws the same frames more than once)."""
     if not picks:
         raise ValueError("picks is empty: give at least one (frame index, label)")
     n = len(views)
@@ -118,18 +125,14 @@ def filmstrip_svg(
         raise ValueError(f"scale must be in (0, 1], got {scale!r}")
     pad, gap, label_h = 16, 14, 22
     columns = min(columns, len(picks))
-    panels = [
-        render_view_svg(
-            views[k],
-            colours,
-            total=n,
-            legend_roles=legend_roles,
-            request_ids=request_ids,
-            legend=False,
-            min_width=panel_width,
-        )  # fmt: skip
-        for k, _ in picks
-    ]
+    cache = {} if panel_cache is None else panel_cache
+    for k, _ in picks:
+        if (k, compact) not in cache:
+            cache[(k, compact)] = render_view_svg(
+                views[k], colours, total=n, legend_roles=legend_roles, request_ids=request_ids, legend=False,
+                min_width=panel_width, compact=compact,
+            )  # fmt: skip
+    panels = [cache[(k, compact)] for k, _ in picks]
     sizes = [_nest(p, 0, 0, scale)[1:] for p in panels]
     col_w = max(w for w, _ in sizes)
     width = 2 * pad + columns * col_w + (columns - 1) * gap
@@ -160,4 +163,31 @@ def filmstrip_svg(
     return _document(c, width, int(y), f"{title or 'block table'}: key frames {', '.join(str(k) for k, _ in picks)}")
 
 
-__all__ = ["DEFAULT_MAX_FRAMES", "KEY_MOMENTS", "PEAK", "filmstrip_svg", "key_frames"]
+def fit_filmstrip(
+    views: Sequence[Mapping[str, Any]],
+    colours: Mapping[str, list[str]],
+    max_frames: int = DEFAULT_MAX_FRAMES,
+    *,
+    max_chars: int = MAX_SVG_CHARS,
+    **kwargs: Any,
+) -> tuple[str, list[tuple[int, str]]]:
+    """``key_frames`` drawn by ``filmstrip_svg`` within a size budget; returns the SVG and the frames it shows.
+
+    Full panels when the strip fits in ``max_chars`` characters; otherwise compact panels (the pool, the
+    queues and the CPU pool, without the free queue and the block tables), with fewer frames if need be (the
+    least telling dropped first), down to one. A notebook stores the picture beside every widget, so a trace
+    of a large pool must not cost megabytes. Other keyword arguments go to ``filmstrip_svg``."""
+    cache: dict[tuple[int, bool], str] = {}
+    picks = key_frames(views, max_frames)
+    svg = filmstrip_svg(views, colours, picks, panel_cache=cache, **kwargs)
+    if len(svg) <= max_chars:
+        return svg, picks
+    for k in range(len(picks), 0, -1):
+        picks = key_frames(views, k)
+        svg = filmstrip_svg(views, colours, picks, compact=True, panel_cache=cache, **kwargs)
+        if len(svg) <= max_chars:
+            break
+    return svg, picks
+
+
+__all__ = ["DEFAULT_MAX_FRAMES", "KEY_MOMENTS", "MAX_SVG_CHARS", "PEAK", "filmstrip_svg", "fit_filmstrip", "key_frames"]

@@ -18,6 +18,7 @@ them; a legend.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
@@ -47,16 +48,23 @@ FQ_HEAD, FQ_TAIL = 30, 10  # free-queue entries drawn at the head and tail of a 
 ID = "@PKV@"
 
 
+_WHOLE = re.compile(r'="(-?\d+)\.0"')
+
+
 def unique_ids(svg: str) -> str:
-    """Replace the ``ID`` placeholder by ``pkv`` + a hash of the picture (deterministic, distinct per picture)."""
+    """Replace the ``ID`` placeholder by ``pkv`` + a hash of the picture (deterministic, distinct per picture),
+    and write whole-number attributes without their ``.0``."""
+    svg = _WHOLE.sub(r'="\1"', svg)
     return svg.replace(ID, "pkv" + hashlib.sha1(svg.encode()).hexdigest()[:8])
 
 
 def _t(x: float, y: float, text: Any, size: float = 12, *, fill: str = INK, weight: str = "normal",
        anchor: str = "start", extra: str = "") -> str:  # fmt: skip
+    # SVG's defaults (normal weight, start anchor) are left out: pictures of large pools hold thousands of texts
+    attrs = (f' font-weight="{weight}"' if weight != "normal" else "") + (
+        f' text-anchor="{anchor}"' if anchor != "start" else "")  # fmt: skip
     return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size:.1f}" fill="{fill}" font-weight="{weight}" '
-        f'text-anchor="{anchor}"{extra}>{escape(str(text))}</text>'
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size:.1f}" fill="{fill}"{attrs}{extra}>{escape(str(text))}</text>'
     )
 
 
@@ -91,6 +99,10 @@ def _block(c: _Canvas, x: float, y: float, s: float, *, owners: list[str], ref: 
     if null:
         c.add(f'<rect x="{x:.1f}" y="{y:.1f}" width="{s}" height="{s}" rx="{rx:.1f}" fill="url(#{ID}hatch)" '
               f'stroke="{NULL_BG}"/>')  # fmt: skip
+    elif len(owners) == 1:  # one owner: one rounded rectangle (no clip path: smaller pictures)
+        edge = "#ffffff"
+        c.add(f'<rect x="{x:.1f}" y="{y:.1f}" width="{s}" height="{s}" rx="{rx:.1f}" '
+              f'fill="{colours.get(owners[0], [NULL_BG])[0]}" stroke="{edge}" stroke-opacity="0.9"/>')  # fmt: skip
     elif owners:
         cid = c.clip(x, y, s, s, rx)
         band = s / len(owners)
@@ -164,10 +176,11 @@ def _as_view(frame: Mapping[str, Any], index: int) -> dict[str, Any]:
 def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *, title: str = "",
                     total: int | None = None, legend_roles: Sequence[str] | None = None,
                     request_ids: Sequence[str] | None = None, legend: bool = True,
-                    min_width: int = 720) -> str:  # fmt: skip
+                    min_width: int = 720, compact: bool = False) -> str:  # fmt: skip
     """The SVG of one view (``frames.view_frame``); ``colours`` maps request id → [background, text].
     ``legend=False`` leaves the legend out (a filmstrip draws one for all its panels); ``min_width``: the
-    narrowest picture (px) whatever the pool's size (long captions are cut to fit)."""
+    narrowest picture (px) whatever the pool's size (long captions are cut to fit); ``compact=True`` leaves out
+    the free queue and the block tables (a filmstrip of a large pool stays a few hundred KB)."""
     c = _Canvas()
     n = view["num_blocks"]
     cols, cell = view.get("grid") or (10, 40)
@@ -220,59 +233,64 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
         )  # fmt: skip
     y += rows * (cell + gap) - gap + 22
 
-    # The free queue, head to tail.
-    fq = list(view["free"])
-    c.add(_t(pad, y + 11, f"free queue ({len(fq)}): head (reused next) → tail (evicted last)", 12, weight="bold"))
-    y += 18
-    fs, fgap = 24, 4
-    per_row = max(1, int((width - 2 * pad + fgap) // (fs + fgap)))
-    shown: list[int | None] = fq if len(fq) <= FQ_HEAD + FQ_TAIL + 1 else fq[:FQ_HEAD] + [None] + fq[-FQ_TAIL:]
-    if not shown:
-        c.add(_t(pad, y + 14, "(empty: every usable block is held)", 11.5, fill=MUTED))
-        y += 24
-    for i, bid in enumerate(shown):
-        r, k = divmod(i, per_row)
-        fx, fy = pad + k * (fs + fgap), y + r * (fs + fgap)
-        if bid is None:
-            c.add(_t(fx + fs / 2, fy + fs * 0.62, "…", 12, fill=MUTED, anchor="middle"))
-            continue
-        _block(c, fx, fy, fs, owners=[], ref=0, bid=bid, cached=view["hash"][bid] is not None, null=False,
-               free=True, colours=colours, role=hl.get(bid), show_id=False, label=str(bid))  # fmt: skip
-    if shown:
-        y += (-(-len(shown) // per_row)) * (fs + fgap) + 16
-
-    # Block tables: logical index -> physical block.
-    c.add(_t(pad, y + 11, "block tables: logical block → physical block (bar = slots filled)", 12, weight="bold"))
-    y += 20
-    bs = max(1, view["block_size"])
-    ts, tgap = 26, 4
-    label_w = 96
-    per_row = max(1, int((width - 2 * pad - label_w + tgap) // (ts + tgap)))
-    if not view["tables"]:
-        c.add(_t(pad, y + 12, "(no request holds blocks)", 11.5, fill=MUTED))
-        y += 22
     actor = view.get("request_id")
-    for rid, ids, ntok in view["tables"]:
-        ring = INK if rid in (actor, view.get("parent")) else None
-        _chip(c, pad, y + 12, rid, colours, rid, ring=ring)
-        c.add(_t(pad, y + 44, f"{ntok} tokens" if ntok else "", 10, fill=MUTED))
-        for i, bid in enumerate(ids):
+    if compact:  # a filmstrip panel of a large pool: the grid and the queues only
+        c.add(_t(pad, y + 11, f"free queue: {len(view['free'])} blocks · block tables of {len(view['tables'])} "
+                 "requests: shown in the live widget", 11.5, fill=MUTED))  # fmt: skip
+        y += 24
+    else:
+        # The free queue, head to tail.
+        fq = list(view["free"])
+        c.add(_t(pad, y + 11, f"free queue ({len(fq)}): head (reused next) → tail (evicted last)", 12, weight="bold"))
+        y += 18
+        fs, fgap = 24, 4
+        per_row = max(1, int((width - 2 * pad + fgap) // (fs + fgap)))
+        shown: list[int | None] = fq if len(fq) <= FQ_HEAD + FQ_TAIL + 1 else fq[:FQ_HEAD] + [None] + fq[-FQ_TAIL:]
+        if not shown:
+            c.add(_t(pad, y + 14, "(empty: every usable block is held)", 11.5, fill=MUTED))
+            y += 24
+        for i, bid in enumerate(shown):
             r, k = divmod(i, per_row)
-            tx, ty = pad + label_w + k * (ts + tgap), y + 10 + r * (ts + 16)
-            c.add(_t(tx + ts / 2, ty - 5, i, 8.5, fill=MUTED, anchor="middle"))
-            _block(c, tx, ty, ts, owners=[rid], ref=view["ref"][bid], bid=bid, cached=view["hash"][bid] is not None,
-                   null=bid in nulls, free=False, colours=colours, role=hl.get(bid), show_id=False,
-                   label=str(bid))  # fmt: skip
-            filled = min(bs, max(0, ntok - i * bs)) if ntok else 0
-            c.add(f'<rect x="{tx:.1f}" y="{ty + ts + 2:.1f}" width="{ts}" height="3" fill="#e9ecef"/>')
-            if filled:
-                c.add(f'<rect x="{tx:.1f}" y="{ty + ts + 2:.1f}" width="{ts * filled / bs:.1f}" height="3" '
-                      f'fill="{colours.get(rid, [INK])[0]}"/>')  # fmt: skip
-            if view["ref"][bid] > 1:
-                c.add(_t(tx + ts - 1.5, ty + ts - 2, f"×{view['ref'][bid]}", 7.5, fill=colours.get(rid, ["", INK])[1],
-                         weight="bold", anchor="end"))  # fmt: skip
-        nrows = max(1, -(-len(ids) // per_row))
-        y += max(50, 10 + nrows * (ts + 16)) + 4
+            fx, fy = pad + k * (fs + fgap), y + r * (fs + fgap)
+            if bid is None:
+                c.add(_t(fx + fs / 2, fy + fs * 0.62, "…", 12, fill=MUTED, anchor="middle"))
+                continue
+            _block(c, fx, fy, fs, owners=[], ref=0, bid=bid, cached=view["hash"][bid] is not None, null=False,
+                   free=True, colours=colours, role=hl.get(bid), show_id=False, label=str(bid))  # fmt: skip
+        if shown:
+            y += (-(-len(shown) // per_row)) * (fs + fgap) + 16
+
+        # Block tables: logical index -> physical block.
+        c.add(_t(pad, y + 11, "block tables: logical block → physical block (bar = slots filled)", 12, weight="bold"))
+        y += 20
+        bs = max(1, view["block_size"])
+        ts, tgap = 26, 4
+        label_w = 96
+        per_row = max(1, int((width - 2 * pad - label_w + tgap) // (ts + tgap)))
+        if not view["tables"]:
+            c.add(_t(pad, y + 12, "(no request holds blocks)", 11.5, fill=MUTED))
+            y += 22
+        for rid, ids, ntok in view["tables"]:
+            ring = INK if rid in (actor, view.get("parent")) else None
+            _chip(c, pad, y + 12, rid, colours, rid, ring=ring)
+            c.add(_t(pad, y + 44, f"{ntok} tokens" if ntok else "", 10, fill=MUTED))
+            for i, bid in enumerate(ids):
+                r, k = divmod(i, per_row)
+                tx, ty = pad + label_w + k * (ts + tgap), y + 10 + r * (ts + 16)
+                c.add(_t(tx + ts / 2, ty - 5, i, 8.5, fill=MUTED, anchor="middle"))
+                _block(c, tx, ty, ts, owners=[rid], ref=view["ref"][bid], bid=bid, cached=view["hash"][bid] is not None,
+                       null=bid in nulls, free=False, colours=colours, role=hl.get(bid), show_id=False,
+                       label=str(bid))  # fmt: skip
+                filled = min(bs, max(0, ntok - i * bs)) if ntok else 0
+                c.add(f'<rect x="{tx:.1f}" y="{ty + ts + 2:.1f}" width="{ts}" height="3" fill="#e9ecef"/>')
+                if filled:
+                    c.add(f'<rect x="{tx:.1f}" y="{ty + ts + 2:.1f}" width="{ts * filled / bs:.1f}" height="3" '
+                          f'fill="{colours.get(rid, [INK])[0]}"/>')  # fmt: skip
+                if view["ref"][bid] > 1:
+                    c.add(_t(tx + ts - 1.5, ty + ts - 2, f"×{view['ref'][bid]}", 7.5,
+                             fill=colours.get(rid, ["", INK])[1], weight="bold", anchor="end"))  # fmt: skip
+            nrows = max(1, -(-len(ids) // per_row))
+            y += max(50, 10 + nrows * (ts + 16)) + 4
 
     # Scheduler queues and the CPU swap pool.
     if view.get("running") is not None:
