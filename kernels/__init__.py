@@ -6,7 +6,11 @@ Public API (see LAB_DESIGN.md):
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, ...)
 
-KV layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for both caches, as in vLLM and flash-attn.
+KV layout: two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp16, bf16, fp32, or fp8 e4m3 with
+per-tensor scales). This is the lab's choice, for clarity: vLLM 0.26's FlashAttention backend keeps one tensor per
+layer with K and V packed in the last dimension, logical shape ``(num_blocks, num_kv_heads, block_size,
+2 * head_size)`` and a physical order from ``get_kv_cache_stride_order``
+(vllm/v1/attention/backends/flash_attn.py).
 
 CPU-only machines: Triton compiles for GPUs. Without one, its interpreter (``TRITON_INTERPRET=1``)
 runs the same kernel source with NumPy, on CPU tensors, in fp32 and fp16 (it has no bfloat16). Triton
@@ -29,17 +33,22 @@ from .cache import reshape_and_cache  # noqa: E402
 from .decode import (  # noqa: E402
     DECODE_VERSIONS,
     choose_num_splits,
+    decode_config,
     paged_attention_decode,
     paged_attention_decode_v1,
     paged_attention_decode_v2,
     paged_attention_decode_v3,
     paged_attention_decode_v4,
 )
+from .dispatch import DecodeConfig, choose_decode_config  # noqa: E402
 from .prefill import paged_prefill_attention  # noqa: E402
 
 __all__ = [
     "DECODE_VERSIONS",
+    "DecodeConfig",
+    "choose_decode_config",
     "choose_num_splits",
+    "decode_config",
     "paged_attention_decode",
     "paged_attention_decode_v1",
     "paged_attention_decode_v2",

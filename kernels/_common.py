@@ -16,11 +16,19 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E), and exp2 is th
 LN2 = 0.6931471805599453  # ln(2): converts a log2-domain log-sum-exp back to natural log
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn  # the KV cache's fp8 format: e4m3, finite max 448 (Triton's float8e4nv)
+FP8_MAX = 448.0
+_CACHE_DTYPES = (*_FLOAT_DTYPES, FP8_DTYPE)
 
 
 def interpreter_on() -> bool:
     """True when Triton runs kernels in its NumPy interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """True for the fp8 KV-cache dtype (``torch.float8_e4m3fn``)."""
+    return dtype == FP8_DTYPE
 
 
 def next_pow2(n: int) -> int:
@@ -62,7 +70,8 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
 
 
 def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Both caches ``[num_blocks, block_size, Hkv, D]``, same shape and dtype, head_dim contiguous."""
+    """Both caches ``[num_blocks, block_size, Hkv, D]``, same shape and dtype (a float or fp8 e4m3),
+    head_dim contiguous."""
     if key_cache.dim() != 4:
         raise ValueError(
             f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim]; got shape {tuple(key_cache.shape)}"
@@ -75,7 +84,8 @@ def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         raise ValueError("key_cache and value_cache must have the same strides")
     if value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype {key_cache.dtype}")
-    check_float_dtype("key_cache", key_cache)
+    if not is_fp8(key_cache.dtype):
+        check_float_dtype("key_cache", key_cache)
     if key_cache.stride(-1) != 1:
         raise ValueError("key_cache and value_cache must be contiguous along head_dim (stride(-1) == 1)")
     if min(key_cache.shape) < 1:
@@ -103,8 +113,11 @@ def check_query_and_cache(
     for name, t in {"key_cache": key_cache, "value_cache": value_cache, **tensors}.items():
         check_device(name, t, device)
     check_runnable(device)
-    if key_cache.dtype != query.dtype:
-        raise ValueError(f"query is {query.dtype} but the KV cache is {key_cache.dtype}; they must match")
+    if key_cache.dtype != query.dtype and not is_fp8(key_cache.dtype):
+        raise ValueError(
+            f"query is {query.dtype} but the KV cache is {key_cache.dtype}; they must match (or the cache is "
+            "float8_e4m3fn, read with k_scale/v_scale)"
+        )
     rows, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     if head_dim != cache_head_dim:
@@ -192,6 +205,18 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number; got {scale}")
     return scale
+
+
+def resolve_kv_scale(name: str, value: float, cache_dtype: torch.dtype) -> float:
+    """A per-tensor fp8 scale (``stored = value / scale``): a positive finite number; 1.0 unless fp8."""
+    if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a Python float (a tensor would need a device sync); got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number; got {value}")
+    if value != 1.0 and not is_fp8(cache_dtype):
+        raise ValueError(f"{name}={value} applies to a float8_e4m3fn cache only; this cache is {cache_dtype}")
+    return value
 
 
 def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

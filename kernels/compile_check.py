@@ -28,7 +28,7 @@ def _collect_launches(dtypes, configs):
 
     from pagedkv.attention import make_paged_kv
 
-    from . import _common, cache, decode_v1, decode_v2, decode_v3, decode_v4, prefill
+    from . import _common, cache, decode_v1, decode_v2, decode_v3, decode_v4, dispatch, prefill
 
     calls = []
 
@@ -48,6 +48,24 @@ def _collect_launches(dtypes, configs):
             decode_v2.launch_decode_v2(*args)
             decode_v3.launch_decode_v3(*args)
             decode_v4.launch_decode_v4(*args, num_splits=5)
+            for cfg in dispatch.reachable_configs()[:3]:  # the tuned tiles and stages (v3 64/128, v4 128)
+                tuned = dict(tile_tokens=cfg.tile_tokens, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                if cfg.version == 3:
+                    decode_v3.launch_decode_v3(*args, **tuned)
+                else:
+                    decode_v4.launch_decode_v4(*args, num_splits=cfg.num_splits, **tuned)
+            if dtype != torch.float32:  # an fp8 cache read by a 16-bit query, and written from one
+                kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+                args8 = (out, q, kc8, vc8, bt, sl, 0.1)
+                decode_v3.launch_decode_v3(*args8, tile_tokens=128, num_stages=3, k_scale=0.5, v_scale=0.5)
+                decode_v4.launch_decode_v4(*args8, num_splits=4, tile_tokens=128, num_stages=3, k_scale=0.5,
+                                           v_scale=0.5)
+                prefill.paged_prefill_attention(torch.randn(10, 2 * group, head_dim).to(dtype), kc8, vc8, bt, sl,
+                                                torch.tensor([0, 3, 10], dtype=torch.int32), validate=False,
+                                                max_query_len=7, k_scale=0.5, v_scale=0.5)
+                kv = torch.randn(3, 2, head_dim).to(dtype)
+                cache.reshape_and_cache(kv, kv.clone(), kc8, vc8, torch.tensor([1, -1, 40]), k_scale=0.5,
+                                        v_scale=0.5)
             qsl = torch.tensor([0, 3, 10], dtype=torch.int32)
             prefill.paged_prefill_attention(torch.randn(10, 2 * group, head_dim).to(dtype), kc, vc, bt, sl, qsl,
                                             validate=False, max_query_len=7)
@@ -60,7 +78,7 @@ def _signature(fn, args, kwargs):
     import torch
 
     ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-           torch.int64: "*i64"}
+           torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = dict(zip(fn.arg_names, args, strict=False))
     bound.update(kwargs)

@@ -7,14 +7,26 @@ The four versions (each in its own module, each runnable on its own):
 3. ``decode_v3``: as 2, but each iteration covers a tile of several blocks (one block-table lookup per token).
 4. ``decode_v4``: split-K (flash-decoding): slices of the context in parallel, fp32 partials + LSE, a reduce.
 
-``version=None`` picks the best for the shape: version 4 when ``choose_num_splits`` says the GPU would
-otherwise sit partly idle, else version 3 (version 4 with one slice is version 3 plus a pointless reduce).
+``version=None`` launches what ``dispatch.choose_decode_config`` picks for the shape: version 4 with
+enough slices for about two programs per SM when ``B * Hkv`` programs are too few, else version 3; tile
+size, warps and pipeline stages from the same rule (derived from a CUDA-graph sweep on an H200; see
+``dispatch``). An explicit ``version`` launches that version with its own defaults (what the lesson builds).
 
-Mirrors: vLLM's ``paged_attention`` dispatch in vllm/attention/ops/paged_attn.py, which picks
-``paged_attention_v1`` or ``paged_attention_v2`` (split) from the batch, the heads and the length.
+Host cost: a decode step calls this once per layer, so the Python around the launch matters when the GPU
+part takes microseconds. Everything that depends only on shapes, strides, dtypes and devices (the checks,
+the launch configuration) is computed once per distinct call signature and kept in a small plan cache;
+a repeated call with ``validate=False`` does one dictionary lookup, allocates ``out`` (unless given) and,
+for split-K, its two fp32 intermediates, and launches.
+
+Mirrors: vLLM 0.26's ``unified_attention`` (vllm/v1/attention/ops/triton_unified_attention.py), which picks
+its 2-D kernel or its segmented 3-D kernel (split-K, with ``reduce_segments``) from the batch and lengths,
+and the older ``paged_attention_v1``/``v2`` split in vllm/v1/attention/ops/paged_attn.py.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -24,43 +36,96 @@ from ._common import (
     check_query_and_cache,
     contiguous_index,
     contiguous_rows,
+    is_fp8,
+    resolve_kv_scale,
     resolve_scale,
 )
 from .decode_v1 import launch_decode_v1
 from .decode_v2 import launch_decode_v2
 from .decode_v3 import TILE_TOKENS, launch_decode_v3
-from .decode_v4 import DEFAULT_NUM_SMS, MAX_SPLITS, choose_num_splits, launch_decode_v4
+from .decode_v4 import launch_decode_v4
+from .dispatch import DEFAULT_NUM_SMS, MAX_SPLITS, DecodeConfig, choose_decode_config, choose_num_splits
 
 DECODE_VERSIONS = (1, 2, 3, 4)
+FP8_VERSIONS = (3, 4)  # the versions that read an fp8 cache (1 and 2 stay as the lesson writes them)
+_MAX_PLANS = 256  # distinct call signatures remembered; the cache is cleared when it fills
 
 
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (CUDA), or ``DEFAULT_NUM_SMS`` (an H100's 132) elsewhere."""
+@functools.lru_cache(maxsize=16)
+def _num_sms_cached(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return DEFAULT_NUM_SMS
 
 
-def _validate(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    check_values: bool,
-) -> int:
-    """All checks ``paged_attention_decode`` makes; returns the longest sequence length (or a bound)."""
-    batch, _, _, num_blocks, block_size, _ = check_query_and_cache(
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (CUDA), or ``DEFAULT_NUM_SMS`` (an H100's/H200's 132) elsewhere. Cached."""
+    return _num_sms_cached(device)
+
+
+class _Plan(NamedTuple):
+    """What one call signature needs beyond its tensors' values."""
+
+    batch: int
+    num_kv_heads: int
+    max_len_bound: int  # block_tables.shape[1] * block_size: the split rule's length without validation
+    scale: float
+    sms: int
+    copy_query: bool  # query's head_dim is strided: copy it first
+    fixed: DecodeConfig | None  # None: chosen per call from the validated max length
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _explicit_config(version: int, num_splits: int | None, batch: int, hkv: int, max_len: int, sms: int):
+    """An explicitly asked-for version, launched with the version's own (lesson) defaults."""
+    if version == 4:
+        splits = num_splits or choose_num_splits(batch, hkv, max_len, sms, tile_tokens=TILE_TOKENS)
+        return DecodeConfig(4, TILE_TOKENS, 4, 2, splits)
+    return DecodeConfig(version, TILE_TOKENS, 4, 2, 1)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, version, num_splits, out,
+               k_scale, v_scale, validate) -> _Plan:
+    """Every check that depends only on shapes, dtypes, strides and devices; raises ValueError."""
+    batch, _, head_dim, _, block_size, num_kv_heads = check_query_and_cache(
         query, key_cache, value_cache, {"block_tables": block_tables, "seq_lens": seq_lens}, "batch"
     )
-    if check_values:
-        return check_block_tables(block_tables, seq_lens, batch, num_blocks, block_size)
-    # Cheap shape checks only; the longest possible length bounds the split heuristic.
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError("block_tables must be [batch, max_blocks] and seq_lens [batch]")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("block_tables and seq_lens must be int32")
-    return block_tables.shape[1] * block_size
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(
+            f"block_tables must be a 2-D int32 tensor [batch, max_blocks]; got {block_tables.dtype} "
+            f"of shape {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
+        raise ValueError(
+            f"seq_lens must be a 1-D int32 tensor [batch]; got {seq_lens.dtype} of shape {tuple(seq_lens.shape)}"
+        )
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"batch sizes disagree: query has {batch} sequences, block_tables {block_tables.shape[0]}, "
+            f"seq_lens {seq_lens.shape[0]}"
+        )
+    if out is not None:
+        check_out(out, query)
+    if is_fp8(key_cache.dtype) and version not in (None, *FP8_VERSIONS):
+        raise ValueError(f"an fp8 KV cache is read by versions {FP8_VERSIONS} (and the default dispatch); "
+                         f"got version={version}")
+    resolve_kv_scale("k_scale", k_scale, key_cache.dtype)
+    resolve_kv_scale("v_scale", v_scale, key_cache.dtype)
+    sms = num_sms(query.device)
+    bound = max(1, block_tables.shape[1] * block_size)
+    fixed = None
+    if not validate or version is not None:  # the configuration does not depend on the lengths' values
+        fixed = (choose_decode_config(max(batch, 1), num_kv_heads, bound, sms) if version is None
+                 else _explicit_config(version, num_splits, max(batch, 1), num_kv_heads, bound, sms))
+        if fixed.version == 4 and num_splits is not None:
+            fixed = fixed._replace(num_splits=num_splits)
+    return _Plan(batch, num_kv_heads, bound, resolve_scale(scale, head_dim), sms, query.stride(-1) != 1, fixed)
 
 
 def paged_attention_decode(
@@ -75,6 +140,8 @@ def paged_attention_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     validate: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's newest query over its paged KV cache; returns ``out [B, Hq, D]``.
 
@@ -82,44 +149,76 @@ def paged_attention_decode(
     ``seq_lens[b]`` cached tokens of KV head ``h // (Hq // Hkv)``, found through ``block_tables[b]``.
     ``scale`` defaults to ``1/sqrt(D)``. Nothing but ``out`` is written.
 
-    ``version`` picks a kernel (1-4, see the module docstring; None: the best for the shape).
-    ``num_splits`` fixes version 4's slice count (default: ``choose_num_splits``). ``out`` may be passed
-    to reuse a buffer. ``validate=False`` skips the checks that read ``seq_lens`` and ``block_tables``
-    back to the host (a GPU synchronisation); shapes, dtypes and devices are always checked.
+    ``version`` picks a kernel (1-4, see the module docstring; None: the tuned choice for the shape).
+    ``num_splits`` fixes version 4's slice count. ``out`` may be passed to reuse a buffer.
+    ``validate=False`` skips the checks that read ``seq_lens`` and ``block_tables`` back to the host (a GPU
+    synchronisation); shapes, dtypes and devices are always checked (once per call signature).
+    An fp8 cache (``torch.float8_e4m3fn``, written by ``reshape_and_cache``) holds ``value / k_scale`` and
+    ``value / v_scale``; pass the same scales here (versions 3, 4 and the default dispatch read it).
 
     Raises ValueError on a bad shape, dtype or device, ``Hq`` not a multiple of ``Hkv``, a sequence of
     length 0, a block table too short for its sequence or holding an id outside the cache.
+
+    Mirrors: vLLM 0.26's ``unified_attention`` (vllm/v1/attention/ops/triton_unified_attention.py).
     """
     if version is not None and version not in DECODE_VERSIONS:
         raise ValueError(f"version must be one of {DECODE_VERSIONS} or None; got {version!r}")
-    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= 4 * MAX_SPLITS):
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= 4 * MAX_SPLITS):
         raise ValueError(f"num_splits must be an int in 1..{4 * MAX_SPLITS}; got {num_splits!r}")
     if num_splits is not None and version not in (None, 4):
         raise ValueError(f"num_splits applies to version 4 (split-K) only; got version={version}")
-    max_len = _validate(query, key_cache, value_cache, block_tables, seq_lens, validate)
-    out = check_out(out, query)
-    if query.shape[0] == 0:
+    key = (_signature(query), _signature(key_cache), _signature(value_cache), _signature(block_tables),
+           _signature(seq_lens), None if out is None else _signature(out), scale, version, num_splits,
+           validate, k_scale, v_scale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, version, num_splits, out,
+                          k_scale, v_scale, validate)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    config = plan.fixed
+    if validate:
+        max_len = check_block_tables(block_tables, seq_lens, plan.batch, key_cache.shape[0], key_cache.shape[1])
+        if config is None and plan.batch:
+            config = choose_decode_config(plan.batch, plan.num_kv_heads, max_len, plan.sms)
+            if num_splits is not None and config.version == 4:
+                config = config._replace(num_splits=num_splits)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if plan.batch == 0:
         return out
-    scale = resolve_scale(scale, query.shape[-1])
-    if query.stride(-1) != 1:
+    if plan.copy_query:
         query = query.contiguous()
     # The kernels read seq_lens[b] at ptr + b and block_tables[b, j] at ptr + b * stride_bt + j.
     seq_lens = contiguous_index(seq_lens)
     block_tables = contiguous_rows(block_tables)
-
-    splits = num_splits or choose_num_splits(query.shape[0], key_cache.shape[2], max_len, num_sms(query.device))
-    if version is None:
-        version = 4 if splits > 1 else 3
-    args = (out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+    args = (out, query, key_cache, value_cache, block_tables, seq_lens, plan.scale)
+    version = config.version
     if version == 1:
         launch_decode_v1(*args)
     elif version == 2:
         launch_decode_v2(*args)
     elif version == 3:
-        launch_decode_v3(*args)
+        launch_decode_v3(*args, tile_tokens=config.tile_tokens, num_warps=config.num_warps,
+                         num_stages=config.num_stages, k_scale=k_scale, v_scale=v_scale)
     else:
-        launch_decode_v4(*args, num_splits=splits)
+        launch_decode_v4(*args, num_splits=config.num_splits, tile_tokens=config.tile_tokens,
+                         num_warps=config.num_warps, num_stages=config.num_stages,
+                         k_scale=k_scale, v_scale=v_scale)
     return out
+
+
+def decode_config(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seq_len: int | None = None,
+) -> DecodeConfig:
+    """The configuration the default dispatch launches for these inputs (for the lesson and the benchmark)."""
+    bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * key_cache.shape[1]
+    return choose_decode_config(query.shape[0], key_cache.shape[2], bound, num_sms(query.device))
 
 
 def _versioned(v: int):
@@ -140,6 +239,7 @@ __all__ = [
     "DECODE_VERSIONS",
     "TILE_TOKENS",
     "choose_num_splits",
+    "decode_config",
     "num_sms",
     "paged_attention_decode",
     "paged_attention_decode_v1",

@@ -13,7 +13,7 @@ to ``BLOCK_G = max(16, group)`` rows (padding rows read zeros and are never stor
 padding cost nothing measurable; the KV bytes saved are what matter.
 
 Mirrors: vLLM's Triton decode kernel for grouped heads, ``_fwd_grouped_kernel_stage1``
-(vllm/attention/ops/triton_decode_attention.py), which packs a KV head's query heads the same way.
+(vLLM 0.26: vllm/v1/attention/ops/triton_decode_attention.py), which packs a KV head's query heads the same way.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Everything else is version 2: one program per (sequence, KV head), the group's q
 
 The loop lives in ``_attend_tiles`` so that version 4 (split-K) can run it over a slice of the tiles.
 
-Mirrors: vLLM's ``kernel_unified_attention_2d`` (vllm/attention/ops/triton_unified_attention.py), whose
+Mirrors: vLLM's ``kernel_unified_attention`` (vLLM 0.26: vllm/v1/attention/ops/triton_unified_attention.py), whose
 tiles are independent of the KV block size in the same way.
 """
 
@@ -25,8 +25,8 @@ import triton.language as tl
 
 from ._common import LOG2E, dot_precision, next_pow2
 
-TILE_TOKENS = 64  # tokens per loop iteration (a power of two >= 16)
-NUM_WARPS = 4
+TILE_TOKENS = 64  # tokens per loop iteration (a power of two >= 16); the dispatcher tunes it per shape
+NUM_WARPS = 4  # launch defaults when this version is launched on its own (see dispatch.py for the tuned ones)
 NUM_STAGES = 2
 
 
@@ -69,8 +69,10 @@ def _attend_tiles(
         slot = (token % BLOCK_SIZE).to(tl.int64)
         kv_offs = physical[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        # An fp8 cache is widened to the query's dtype here (exact); its scales are folded into qk_scale and
+        # v_scale by the caller. For a cache in the query's dtype the .to() is a no-op.
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -91,7 +93,8 @@ def _paged_decode_v3_kernel(
     v_cache_ptr,
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    v_scale,  # 1.0, or the fp8 cache's value scale (applied once, to the output)
     stride_qb, stride_qh,
     stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh,
@@ -119,7 +122,7 @@ def _paged_decode_v3_kernel(
         0, tl.cdiv(seq_len, TILE_N), qk_scale, stride_kb, stride_kt, stride_kh,
         BLOCK_G, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
     )
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -133,14 +136,22 @@ def launch_decode_v3(
     seq_lens: torch.Tensor,
     scale: float,
     tile_tokens: int = TILE_TOKENS,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Launch version 3 on validated inputs: grid ``(B, Hkv)``, ``tile_tokens`` tokens per iteration."""
+    """Launch version 3 on validated inputs: grid ``(B, Hkv)``, ``tile_tokens`` tokens per iteration.
+
+    ``tile_tokens``, ``num_warps`` and ``num_stages`` change speed, not results (see ``dispatch``).
+    ``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (``stored = value / scale``)."""
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
     _paged_decode_v3_kernel[(batch, num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, seq_lens,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -152,6 +163,6 @@ def launch_decode_v3(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )

@@ -16,12 +16,13 @@ which is exactly softmax attention over the whole context (subtracting ``M`` kee
 A slice past a short sequence's end visits no tile and writes ``lse = -inf``, weight 0.
 
 The extra traffic is ``B * Hq * num_splits * (D + 1) * 4`` bytes written and read back, small next to
-the KV cache (``2 * B * L * Hkv * D * 2`` bytes) as long as each slice covers a few hundred tokens;
-``choose_num_splits`` enforces that and otherwise splits until the GPU has enough programs in flight.
+the KV cache (``2 * B * L * Hkv * D * 2`` bytes) as long as each slice covers a tile or more. How many
+slices to cut is the dispatcher's choice (``pagedkv.kernels.dispatch.choose_num_splits``: enough for
+about two programs per SM, never an empty slice), measured on a GPU rather than guessed here.
 
 Mirrors: vLLM's ``paged_attention_v2_kernel`` + ``paged_attention_v2_reduce_kernel``
 (csrc/attention/attention_kernels.cuh), and the two stages of
-vllm/attention/ops/triton_decode_attention.py (``_fwd_grouped_kernel_stage1`` / ``_fwd_kernel_stage2``).
+vllm/v1/attention/ops/triton_decode_attention.py (vLLM 0.26) (``_fwd_grouped_kernel_stage1`` / ``_fwd_kernel_stage2``).
 """
 
 from __future__ import annotations
@@ -36,42 +37,6 @@ from .decode_v3 import NUM_STAGES, NUM_WARPS, TILE_TOKENS, _attend_tiles
 _LN2 = tl.constexpr(LN2)  # globals a kernel reads must be constexpr
 _LOG2E = tl.constexpr(LOG2E)
 
-MIN_TOKENS_PER_SPLIT = 256  # below this a slice's fixed cost (its q load, its partial write) shows
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 4  # programs to keep in flight per multiprocessor so loads overlap
-DEFAULT_NUM_SMS = 132  # an H100 SXM; used when no GPU is present to ask
-
-
-def choose_num_splits(
-    batch: int,
-    num_kv_heads: int,
-    max_seq_len: int,
-    num_sms: int = DEFAULT_NUM_SMS,
-) -> int:
-    """How many slices to cut each sequence's context into so the GPU is full.
-
-    ``B * Hkv`` programs exist without splitting. If that already reaches ``PROGRAMS_PER_SM * num_sms``,
-    splitting only adds the reduce: return 1. Otherwise split enough to reach it, but never into slices
-    shorter than ``MIN_TOKENS_PER_SPLIT`` tokens and never more than ``MAX_SPLITS``. Examples on 132 SMs:
-    (B=1, Hkv=8, L=32768) -> 64; (B=8, Hkv=8, L=4096) -> 9; (B=64, Hkv=8, L=4096) -> 2; (B=256, ...) -> 1.
-
-    Mirrors: the ``max_num_partitions`` choice of vLLM's ``paged_attention_v2`` (fixed 512-token
-    partitions) and flash-attn's ``num_splits_heuristic`` (fill the SMs, cap the splits).
-    """
-    if min(batch, num_kv_heads, max_seq_len, num_sms) < 1:
-        raise ValueError(
-            f"choose_num_splits needs positive sizes; got batch={batch}, num_kv_heads={num_kv_heads}, "
-            f"max_seq_len={max_seq_len}, num_sms={num_sms}"
-        )
-    programs = batch * num_kv_heads
-    target = PROGRAMS_PER_SM * num_sms
-    if programs >= target:
-        return 1
-    wanted = -(-target // programs)
-    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
-
-
 @triton.jit
 def _paged_decode_split_kernel(
     o_part_ptr,  # [B, Hq, S, D] fp32: each slice's normalised output
@@ -81,7 +46,8 @@ def _paged_decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    v_scale,  # 1.0, or the fp8 cache's value scale
     stride_qb, stride_qh,
     stride_pb, stride_ph, stride_ps,  # o_part strides (D stride 1)
     stride_lb, stride_lh,  # lse strides (split stride 1)
@@ -119,7 +85,7 @@ def _paged_decode_split_kernel(
         BLOCK_G, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
     )
     nonempty = l_i > 0.0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # an empty slice writes zeros, not 0/0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale  # an empty slice writes zeros, not 0/0
     # m_i + log2(l_i) is the log-sum-exp in log2 units (scores were pre-scaled by log2(e)); store natural log.
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * _LN2, float("-inf"))
 
@@ -169,10 +135,16 @@ def launch_decode_v4(
     scale: float,
     num_splits: int,
     tile_tokens: int = TILE_TOKENS,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch split-K on validated inputs; returns the intermediates ``(o_part [B,Hq,S,D], lse [B,Hq,S])``.
 
     Two launches: the split kernel, grid ``(B, Hkv, num_splits)``, then the reduce, grid ``(B, Hq)``.
+    ``tile_tokens``, ``num_warps`` and ``num_stages`` are launch choices (see ``dispatch``), not semantics.
+    ``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (``stored = value / scale``).
     """
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -181,7 +153,8 @@ def launch_decode_v4(
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         o_part, lse, query, key_cache, value_cache, block_tables, seq_lens,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         query.stride(0), query.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1),
@@ -195,8 +168,8 @@ def launch_decode_v4(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _paged_decode_reduce_kernel[(batch, num_q_heads)](
         out, o_part, lse,

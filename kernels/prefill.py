@@ -12,9 +12,9 @@ KV head ``g`` -- ``BLOCK_Q * group`` rows, packed the way decode version 2 packs
 key tiles up to its last query's position (tiles wholly in the future are never loaded), masking
 per row with ``key_pos <= query_pos``.
 
-Mirrors: ``kernel_unified_attention_2d`` (vllm/attention/ops/triton_unified_attention.py), which handles
-prefill, chunked prefill and decode in one kernel this way; and ``context_attention_fwd``
-(vllm/attention/ops/prefix_prefill.py).
+Mirrors: ``kernel_unified_attention`` (vLLM 0.26, vllm/v1/attention/ops/triton_unified_attention.py), which
+handles prefill, chunked prefill and decode in one kernel this way; and ``context_attention_fwd``
+(vllm/v1/attention/ops/prefix_prefill.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ._common import (
     contiguous_rows,
     dot_precision,
     next_pow2,
+    resolve_kv_scale,
     resolve_scale,
 )
 
@@ -48,7 +49,8 @@ def _paged_prefill_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32: prefix + new tokens
     query_start_loc_ptr,  # [B + 1] int32
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    v_scale,  # 1.0, or the fp8 cache's value scale
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh,
@@ -98,8 +100,8 @@ def _paged_prefill_kernel(
         slot = (k_pos % BLOCK_SIZE).to(tl.int64)
         kv_offs = physical[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         kv_mask = k_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, BLOCK_D]; fp8 widened
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])  # causal, per row
@@ -112,7 +114,7 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale
     o_offs = (q_begin + q_idx).to(tl.int64) * stride_ot + q_head * stride_oh
     tl.store(out_ptr + o_offs[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None] & d_mask[None, :])
@@ -130,6 +132,8 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     validate: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged cache; returns ``out [T, Hq, D]``.
 
@@ -138,6 +142,10 @@ def paged_prefill_attention(
     to the host. Nothing but ``out`` is written. Raises ValueError on bad shapes, dtypes or devices, a
     ``query_start_loc`` that does not start at 0, end at T and never decrease, a sequence with more new
     tokens than ``seq_len``, and the block-table problems ``paged_attention_decode`` refuses.
+    An fp8 cache (``torch.float8_e4m3fn``) is read with its per-tensor ``k_scale``/``v_scale``.
+
+    Mirrors: vLLM 0.26's ``unified_attention`` (vllm/v1/attention/ops/triton_unified_attention.py) on a batch
+    with prefills, and ``context_attention_fwd`` (vllm/v1/attention/ops/prefix_prefill.py).
     """
     num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads = check_query_and_cache(
         query,
@@ -167,6 +175,8 @@ def paged_prefill_attention(
             if bool((q_lens > lens).any()):
                 i = int((q_lens > lens).nonzero()[0, 0])
                 raise ValueError(f"sequence {i} has {int(q_lens[i])} new tokens but seq_lens[{i}] = {int(lens[i])}")
+    k_scale = resolve_kv_scale("k_scale", k_scale, key_cache.dtype)
+    v_scale = resolve_kv_scale("v_scale", v_scale, key_cache.dtype)
     out = check_out(out, query)
     if num_tokens == 0 or max_query_len == 0:
         return out
@@ -182,7 +192,8 @@ def paged_prefill_attention(
     grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
