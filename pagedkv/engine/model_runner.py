@@ -190,7 +190,7 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Capture one graph per size (largest first), after a warm-up run of each."""
         model = self.runner.model
-        with torch.inference_mode(), attn_implementation(model, ATTN_IMPLEMENTATION):
+        with torch.no_grad(), attn_implementation(model, ATTN_IMPLEMENTATION):
             for size in reversed(self.capture_sizes):
                 meta = self._metadata(size)
                 kwargs = {METADATA_KWARG: meta}
@@ -324,7 +324,7 @@ class ModelRunner:
             prefill_reqs=prefills,
         )
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def execute_model(
         self, scheduler_output: SchedulerOutput, token_ids: Mapping[str, Sequence[int]]
     ) -> tuple[list[str], torch.Tensor]:

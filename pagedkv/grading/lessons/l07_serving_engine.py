@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +34,10 @@ __all__ = [
     "check_prepare_inputs_example",
     "check_prepare_inputs_hidden",
     "check_prepare_inputs_random",
+    "Layer",
     "example_step",
+    "plain_output",
+    "plugged",
     "random_metadata",
     "random_steps",
     "tiny_llama",
@@ -53,6 +56,25 @@ HINTS = {
     "req_ids": "the scheduled requests in scheduling order: list(scheduler_output.num_scheduled_tokens)",
     "block_tables": "each request's block table, scheduler_output.block_tables[r], as a list",
 }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the learner's functions receive (plain library data: the grader sends it to the learner's process)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Layer:
+    """What the attention function reads from transformers' attention module."""
+
+    layer_idx: int
+    num_key_value_groups: int = 1
+    is_causal: bool = True
+
+
+def plain_output(so):
+    """A copy of a ``SchedulerOutput`` whose fields are plain containers (what the learner receives)."""
+    out = copy.copy(so)
+    out.preempted_req_ids = list(so.preempted_req_ids)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -98,7 +120,7 @@ def _describe_step(so) -> str:
 
 
 def _compare_inputs(fn, so, token_ids, bs) -> None:
-    got = run(fn, (so, token_ids, bs), timeout=5)
+    got = run(fn, (plain_output(so), token_ids, bs), timeout=5)
     want = prepare_inputs(so, token_ids, bs)
     if got is None:
         fail("prepare_inputs returned None: is it still the stub? Return a ModelInputs(...)")
@@ -175,7 +197,7 @@ def random_metadata(seed: int, num_layers: int = 2):
     query = torch.randn(1, hkv * group, t, d, generator=g)
     key = torch.randn(1, hkv, t, d, generator=g)
     value = torch.randn(1, hkv, t, d, generator=g)
-    module = SimpleNamespace(layer_idx=rng.randrange(num_layers), num_key_value_groups=group, is_causal=True)
+    module = Layer(layer_idx=rng.randrange(num_layers), num_key_value_groups=group)
     return module, query, key, value, meta
 
 
@@ -266,9 +288,25 @@ def plugged(prepare=None, attention=None):
     register_pagedkv_attention()
     saved_prepare = runner_module.prepare_inputs
     if prepare is not None:
-        runner_module.prepare_inputs = prepare
+        def prepare_plain(so, token_ids, block_size):
+            return prepare(plain_output(so), {r: list(t) for r, t in token_ids.items()}, block_size)
+
+        runner_module.prepare_inputs = prepare_plain
     if attention is not None:
-        AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
+        def attention_plain(module, query, key, value, attention_mask, scaling=None, **kwargs):
+            # Fresh tensors every call (the learner's process gets whole copies), the caches copied back after.
+            layer = Layer(module.layer_idx, getattr(module, "num_key_value_groups", 1))
+            meta = kwargs["pagedkv_metadata"]
+            mine = copy.copy(meta)
+            mine.kv_caches = [(k.clone(), v.clone()) for k, v in meta.kv_caches]
+            out = attention(layer, query.clone(), key.clone(), value.clone(), attention_mask, scaling=scaling,
+                            pagedkv_metadata=mine)
+            for (k, v), (mk, mv) in zip(meta.kv_caches, mine.kv_caches, strict=True):
+                k.copy_(mk)
+                v.copy_(mv)
+            return out
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, attention_plain)
     try:
         yield
     finally:
