@@ -845,3 +845,40 @@ def test_exercise_checks_pass_right_answers_and_explain_wrong_ones():
     for check, answer, phrase in wrong:
         with pytest.raises(AssertionError, match=re.escape(phrase)):
             check(answer)
+
+
+# --------------------------------------------------------------------------------------------------
+# the device check (runs on a GPU; its plan and arguments are checked anywhere)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_device_check_dry_run_and_arguments(capsys, tmp_path):
+    from pagedkv.kernels import device_check as dc
+
+    assert dc.main(["--dry-run", "--out", str(tmp_path / "x")]) == 0
+    printed = capsys.readouterr().out
+    for step in ("tests", "bench", "lesson"):
+        assert f"  {step}" in printed
+    assert "--quick" in printed and "06_paged_attention_kernel.ipynb" in printed and "test_kernels.py" in printed
+    assert not (tmp_path / "x").exists(), "a dry run writes nothing"
+    args = dc.parse_args(["--skip", "lesson", "--skip", "tests", "--budget", "120"])
+    assert [name for name, _ in dc.plan(args, tmp_path)] == ["bench"] and args.budget == 120
+    for bad in (["--budget", "5"], ["--skip", "everything"], ["--workers", "0"]):
+        with pytest.raises(SystemExit):
+            dc.parse_args(bad)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the refusal without a GPU")
+def test_device_check_refuses_without_a_gpu(tmp_path, capsys):
+    from pagedkv.kernels import device_check as dc
+
+    assert dc.main(["--out", str(tmp_path / "x")]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().out and not (tmp_path / "x").exists()
+
+
+def test_device_check_step_timeout_is_recorded(tmp_path):
+    from pagedkv.kernels import device_check as dc
+
+    rec = dc.run_step("sleep", [sys.executable, "-c", "import time; time.sleep(30)"], 2.0, dict(os.environ))
+    assert rec["status"].startswith("timed out") and rec["rc"] is None
+    assert dc.run_step("x", [sys.executable, "-c", "pass"], 0.5, dict(os.environ))["status"].startswith("not run")
