@@ -342,3 +342,18 @@ def test_bench_tiny_mode(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["match"] == 1.0 for r in result["rows"])
     assert result["config"]["kv_budget_tokens"] > 0 and (tmp_path / "engine.png").stat().st_size > 0
     assert bench.static_batches([10, 10, 50, 10], 6, 64) == [[0, 1], [2], [3]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_torch_backend_matches_the_reference(seed):
+    from pagedkv.attention import ref_paged_prefill_attention
+    from pagedkv.engine.attention import torch_paged_attention
+    from pagedkv.grading.lessons.l07_serving_engine import random_metadata
+
+    _, query, _, _, meta = random_metadata(seed, num_layers=1)
+    key_cache, value_cache = meta.kv_caches[0]
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    got = torch_paged_attention(q, key_cache, value_cache, meta, 0.3)
+    want = ref_paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, 0.3, compute_dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,7 @@ Mirrors vLLM 0.26's ``GPUModelRunner`` (``vllm/v1/worker/gpu_model_runner.py``: 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -269,8 +270,13 @@ class ModelRunner:
         ] if num_cpu_blocks else []
         self.graph_runner: CUDAGraphRunner | None = None
         if use_cuda_graph:
-            self.graph_runner = CUDAGraphRunner(self, cudagraph_capture_sizes(max_num_seqs))
-            self.graph_runner.capture()
+            try:
+                graph_runner = CUDAGraphRunner(self, cudagraph_capture_sizes(max_num_seqs))
+                graph_runner.capture()
+                self.graph_runner = graph_runner
+            except Exception as exc:  # a model whose forward cannot be captured: decode runs eagerly
+                warnings.warn(f"CUDA-graph capture failed ({type(exc).__name__}: {exc}); decode runs eagerly",
+                              stacklevel=2)
         self.last_inputs: ModelInputs | None = None  # the latest step's flattened inputs (for lessons)
 
     def kv_cache_bytes(self) -> int:
