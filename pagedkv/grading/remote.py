@@ -47,6 +47,16 @@ class SandboxDied(BaseException):  # noqa: N818
     """The sandbox process ended or stopped answering."""
 
 
+class NeedsLibrary(BaseException):  # noqa: N818
+    """A check composes the learner's class with library methods that this sandbox has as stubs (the
+    exercise's other part: ``type("LookupOnly", (C,), {"_cache_blocks": KVCacheManager._cache_blocks})``); the
+    worker runs that test case again in a sandbox where those methods are the library's."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__(", ".join(sorted(names)))
+        self.names = set(names)
+
+
 def is_remote(value: Any) -> bool:
     return isinstance(value, RemoteObject)
 
@@ -142,6 +152,54 @@ def _handle_type(type_name: str, is_callable: bool, module: str | None = None, i
             namespace["__class__"] = property(lambda self: type)
         _HANDLE_TYPES[key] = type(name, (base,), namespace)
     return _HANDLE_TYPES[key]
+
+
+_CLASS_OWN = {"__dict__", "__mro__", "__name__", "__qualname__", "__module__", "__bases__", "__class__", "__base__",
+              "__instancecheck__", "__subclasscheck__", "__subclasses__", "mro", "__call__", "__new__", "__init__",
+              "__repr__", "__str__", "__hash__", "__eq__", "__ne__", "__weakref__", "__doc__", "__init_subclass__",
+              "__prepare__", "__abstractmethods__", "__annotations__", "__slots__", "__getattribute__", "__setattr__",
+              "__flags__", "__basicsize__", "__itemsize__", "__dictoffset__", "__weakrefoffset__", "__type_params__",
+              "__orig_bases__", "__parameters__", "__class_getitem__", "__mro_entries__", "__dir__", "__sizeof__",
+              "__reduce__", "__reduce_ex__", "__getstate__", "__format__", "__subclasshook__", "__delattr__"}
+
+
+class RemoteClass(type):
+    """The metaclass of the classes that stand for a learner's classes.
+
+    Such a class is a real class here, so ``isinstance(C, type)`` holds and ``issubclass(C, KVCacheManager)``
+    follows the learner's class (its one base here is the first library class of the learner's class's MRO);
+    every attribute read (``C.get_computed_blocks``) and every instantiation goes to the sandbox. A check that
+    subclasses it (``type("LookupOnly", (C,), {"_cache_blocks": KVCacheManager._cache_blocks})``: the learner's
+    method with the library's for the other part) gets that subclass made in the sandbox, from the library's
+    own copy of the methods named."""
+
+    def __new__(mcls, name: str, bases: tuple, namespace: dict, **kwargs: Any) -> Any:  # noqa: N804
+        if "_pagedkv_handle" in namespace:
+            return super().__new__(mcls, name, bases, namespace)
+        remote = [b for b in bases if isinstance(b, RemoteClass)]
+        client = type.__getattribute__(remote[0], "_pagedkv_handle")._pagedkv_client
+        handles = [type.__getattribute__(b, "_pagedkv_handle") if isinstance(b, RemoteClass) else b for b in bases]
+        members = {k: v for k, v in namespace.items() if k not in ("__module__", "__qualname__", "__doc__")}
+        wanted = {f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', '')}" for v in members.values()
+                  if callable(v)}
+        if wanted & client.references:
+            raise NeedsLibrary(wanted & client.references)
+        return client.request("subclass", name=name, bases=handles, namespace=members)
+
+    def __init__(cls, name: str, bases: tuple, namespace: dict, **kwargs: Any) -> None:
+        if "_pagedkv_handle" in namespace:
+            super().__init__(name, bases, namespace)
+
+    def __getattribute__(cls, name: str) -> Any:
+        if name.startswith("_pagedkv_") or name in _CLASS_OWN:
+            return type.__getattribute__(cls, name)
+        return type.__getattribute__(cls, "_pagedkv_handle").__getattr__(name)
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        setattr(type.__getattribute__(cls, "_pagedkv_handle"), name, value)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return type.__getattribute__(cls, "_pagedkv_handle")(*args, **kwargs)
 
 
 class RemoteError(Exception):
@@ -250,13 +308,17 @@ class Client:
 
     def _make_mirror(self, cls: type, mid: str) -> Any:
         """A library object the sandbox made (``cls`` already passed through :meth:`_resolve`)."""
-        return object.__new__(cls)
+        from pagedkv.grading.wire import _new
 
-    def _import_handle(self, meta: dict) -> RemoteObject:
+        return _new(cls)
+
+    def _import_handle(self, meta: dict) -> Any:
         hid = int(meta["$h"])
         known = self._handles.get(hid)
         if known is not None:
             return known
+        if meta.get("is_class"):
+            return self._class_proxy(hid, meta)
         module = meta.get("module")
         cls = _handle_type(str(meta.get("type") or "object"), bool(meta.get("callable")),
                            module if isinstance(module, str) else None, bool(meta.get("is_class")))
@@ -267,6 +329,41 @@ class Client:
         self._handles[hid] = obj
         weakref.finalize(obj, self._released.append, hid)
         return obj
+
+    def _class_proxy(self, hid: int, meta: dict) -> type:
+        """A :class:`RemoteClass` standing for the learner's class ``hid``."""
+        handle = object.__new__(_handle_type("type", True, meta.get("module"), False))
+        object.__setattr__(handle, "_pagedkv_client", self)
+        object.__setattr__(handle, "_pagedkv_handle_id", hid)
+        object.__setattr__(handle, "_pagedkv_meta", meta)
+        base: type = object
+        if isinstance(meta.get("library_base"), str):
+            with contextlib.suppress(Exception):
+                base = resolve_name(meta["library_base"])
+        name = str(meta.get("name") or "LearnerClass")
+        name = name if name.isidentifier() else "LearnerClass"
+        client = self
+
+        def __getattribute__(obj: Any, attr: str) -> Any:  # noqa: N807 - an instance: its data here, methods there
+            if attr in ("__dict__", "__class__") or attr.startswith("_pagedkv_"):
+                return object.__getattribute__(obj, attr)
+            own = object.__getattribute__(obj, "__dict__")
+            if attr in own:
+                return own[attr]
+            mid = client.codec._mirror_ids.get(id(obj))
+            if mid is None:
+                raise AttributeError(attr)
+            return client.request("getattr", m=mid, name=attr)
+
+        namespace = {"_pagedkv_handle": handle, "__module__": meta.get("module") or "__main__", "__qualname__": name,
+                     "__getattribute__": __getattribute__}
+        try:
+            cls = RemoteClass(name, (base,), namespace)
+        except TypeError:  # a library base that cannot be subclassed here
+            cls = RemoteClass(name, (object,), namespace)
+        self._handles[hid] = cls
+        weakref.finalize(cls, self._released.append, hid)
+        return cls
 
     # ------------------------------------------------------------------ test cases
     def start_case(self, budget: float) -> None:
@@ -324,7 +421,7 @@ class Client:
         codec.begin()
         msg: dict[str, Any] = {"op": op}
         for key, value in fields.items():
-            if key in ("h", "name"):
+            if key in ("h", "name", "m"):
                 msg[key] = value
             elif key == "kwargs":
                 msg[key] = codec.encode(dict(value))
@@ -334,8 +431,11 @@ class Client:
                 msg[key] = value
             else:
                 msg[key] = codec.encode(value)
-        msg["mirrors"] = codec.mirror_states([v for k, v in fields.items() if k not in ("h", "name", "names",
-                                                                                   "kernel")])
+        # what the call can reach: its arguments, and the learner's objects mirrored here (their data may have
+        # been changed by the test since the last call: `cache(mine, mine.blocks[i], h)`)
+        roots = [v for k, v in fields.items() if k not in ("h", "name", "names", "kernel", "m")]
+        roots += [obj for obj in codec.mirrors.values() if isinstance(type(obj), RemoteClass)]
+        msg["mirrors"] = codec.mirror_states(roots)
         msg["storages"] = codec.storages()
         if self._released:
             msg["release"], self._released = self._released, []

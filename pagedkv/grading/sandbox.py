@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["FALLBACK_REFERENCE", "DEFAULT_MEMORY", "Sandbox", "isolation_summary", "stub_symbols"]
+__all__ = ["DEFAULT_MEMORY", "FALLBACK_REFERENCE", "Sandbox", "close_all", "isolation_summary", "stub_symbols"]
 
 #: Address-space limit of the sandbox process (bytes).
 DEFAULT_MEMORY = 4 << 30
@@ -96,9 +96,11 @@ def stub_symbols(package: Path, symbols: Iterable[str]) -> list[str]:
             continue
         found = False
         for cut in range(len(parts) - 1, 0, -1):
-            rel = Path(*parts[1:cut])
-            for candidate in (package / rel.with_suffix(".py"), package / rel / "__init__.py"):
-                if cut > 1 and candidate.is_file():
+            rel = Path(*parts[1:cut]) if cut > 1 else None
+            options = (package / "__init__.py",) if rel is None else (package / rel.with_suffix(".py"),
+                                                                       package / rel / "__init__.py")
+            for candidate in options:
+                if candidate.is_file():
                     by_file.setdefault(candidate, []).append((symbol, parts[cut:]))
                     found = True
                     break
@@ -290,6 +292,13 @@ def _preexec(uid: int | None, memory: int, cpu_seconds: int, hide: list[str], st
 
 
 _SUBREAPER_SET = False
+_LIVE: list[Sandbox] = []  # started and not yet closed (the worker closes them all when it is stopped)
+
+
+def close_all() -> None:
+    """Close every sandbox this process started and has not closed."""
+    for sandbox in list(_LIVE):
+        sandbox.close()
 
 
 def isolation_summary() -> str:
@@ -365,6 +374,7 @@ class Sandbox:
             os.close(to_r)
             os.close(from_w)
         self.fd_to, self.fd_from = to_w, from_r
+        _LIVE.append(self)
 
     @property
     def pid(self) -> int:
@@ -394,6 +404,8 @@ class Sandbox:
 
     def close(self) -> None:
         """Kill the sandbox, its session, and every process it left behind; remove its folder."""
+        if self in _LIVE:
+            _LIVE.remove(self)
         for fd in (self.fd_to, self.fd_from):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -57,6 +57,14 @@ class Server:
             self.handle_ids[id(obj)] = hid
         name = getattr(obj, "__name__", None) if isinstance(obj, type) or callable(obj) else None
         module = getattr(obj, "__module__", None)
+        if isinstance(obj, type):
+            from pagedkv.grading.wire import is_library_module, qualified_name
+
+            base = next((qualified_name(k) for k in obj.__mro__ if is_library_module(k.__module__)
+                         and qualified_name(k) is not None), None)
+            return {"$h": hid, "type": type(obj).__name__, "callable": True, "is_class": True,
+                    "module": module if isinstance(module, str) else None, "name": obj.__name__,
+                    "library_base": base}
         return {"$h": hid, "type": type(obj).__name__, "callable": callable(obj),
                 "module": module if isinstance(module, str) else None,
                 "is_class": isinstance(obj, type), "name": name if isinstance(name, str) else None}
@@ -130,6 +138,10 @@ class Server:
         target = self.handles.get(int(msg.get("h", 0))) if "h" in msg else None
         if "h" in msg and int(msg["h"]) not in self.handles:
             raise ProtocolError("unknown handle")
+        if "m" in msg:  # a mirrored learner object (a subclass of a library class): its methods run here
+            target = self.codec.mirrors.get(str(msg["m"]))
+            if target is None:
+                raise ProtocolError("unknown mirrored object")
         roots = self.roots
 
         def decode(value: Any) -> Any:
@@ -165,6 +177,11 @@ class Server:
             result = bool(target)
         elif op == "contains":
             result = decode(msg["item"]) in target
+        elif op == "subclass":  # a check's subclass of the learner's class (its other methods the library's)
+            ns = decode(msg.get("namespace") or {"$dict": []})
+            bases = tuple(decode(msg.get("bases") or []))
+            result = type(str(msg["name"]), bases, dict(ns))
+            return {"value": self.export(result)}
         elif op == "launch":
             from pagedkv.grading.wire import resolve_name
 

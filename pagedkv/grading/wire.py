@@ -31,8 +31,10 @@ import base64
 import collections
 import enum
 import importlib
+import itertools
 import json
 import os
+import re
 import struct
 import types
 from collections.abc import Callable
@@ -153,6 +155,22 @@ def is_library_module(module: Any) -> bool:
     return not module.startswith("pagedkv.grading") or module.startswith("pagedkv.grading.lessons")
 
 
+def _builtin_base(cls: type) -> type | None:
+    """deque, list, dict or set when ``cls`` (a library class) is built on one (``FCFSRequestQueue(deque)``)."""
+    if cls in (collections.deque, list, dict, set):
+        return None
+    for klass in (collections.deque, list, dict, set):
+        if issubclass(cls, klass):
+            return klass
+    return None
+
+
+def _new(cls: type) -> Any:
+    """An empty instance of ``cls`` made without running its ``__init__``."""
+    builtin = _builtin_base(cls)
+    return builtin.__new__(cls) if builtin is not None else object.__new__(cls)
+
+
 def _library_base(cls: type, *, exact: bool) -> type | None:
     """The library class an instance of ``cls`` is mirrored as: ``cls`` itself when it is the library's; on the
     trusted side (``exact`` False) also a test's own subclass of a library class, as its first library base
@@ -247,6 +265,9 @@ class Codec:
     @classmethod
     def _state(cls, obj: Any) -> dict[str, Any]:
         state = dict(getattr(obj, "__dict__", {}) or {})
+        builtin = _builtin_base(type(obj))
+        if builtin is not None:  # a library class built on deque, list, dict or set: its items are state too
+            state["__items__"] = list(builtin.items(obj)) if builtin is dict else list(builtin.__iter__(obj))
         for slot in cls._slot_names(type(obj)):
             if slot not in state:
                 try:
@@ -276,6 +297,8 @@ class Codec:
             return (t, frozenset(v))
         if t.__module__ == "torch":
             return ("tensor", id(v), getattr(v, "_version", None))
+        if t is itertools.count:
+            return ("count", repr(v))
         return _Identity(v)
 
     def _fingerprint(self, obj: Any) -> Any:
@@ -290,6 +313,9 @@ class Codec:
                 values += got if len(slots) > 1 else (got,)
             except AttributeError:
                 values += tuple(self._state(obj).items())
+        builtin = _builtin_base(type(obj))
+        if builtin is not None:
+            values += (self._fp(list(builtin.items(obj)) if builtin is dict else list(builtin.__iter__(obj))),)
         if any(type(x) in _DEEP for x in values):
             return tuple(self._fp(x) for x in values)
         return tuple(_Identity(x) if type(x) not in _SCALARS else x for x in values)
@@ -318,8 +344,11 @@ class Codec:
                 found.append(mid)
                 stack.extend(self._state(v).values())
                 continue
-            if isinstance(v, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-                              types.MethodType)) or t.__module__ == "torch":
+            if t is types.MethodType:
+                stack.append(v.__self__)
+                continue
+            if isinstance(v, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)) or \
+                    t.__module__ == "torch":
                 continue
             try:
                 d = object.__getattribute__(v, "__dict__")
@@ -342,8 +371,11 @@ class Codec:
                 fp = self._fingerprint(obj)
                 if self._last_state.get(mid) != fp:
                     self._last_state[mid] = fp
-                    out[mid] = {"class": qualified_name(_library_base(type(obj), exact=False) or type(obj)),
-                                "state": {k: self.encode(v) for k, v in self._state(obj).items()}}
+                    entry = {"class": qualified_name(_library_base(type(obj), exact=False) or type(obj)),
+                             "state": {k: self.encode(v) for k, v in self._state(obj).items()}}
+                    if self._export is not None and not is_library_module(type(obj).__module__):
+                        entry["learner_class"] = self._export(type(obj))  # its methods stay here
+                    out[mid] = entry
             todo = [mid for mid in self._new if mid not in done]
             self._new.clear()
         return out
@@ -353,10 +385,13 @@ class Codec:
             raise ProtocolError("mirrors is not an object")
         for mid, entry in states.items():
             if mid not in self.mirrors:
-                cls = self._resolve(str(entry.get("class")))
+                if "learner_class" in entry and self._import_handle is not None:
+                    cls = self._import_handle(entry["learner_class"])
+                else:
+                    cls = self._resolve(str(entry.get("class")))
                 if not isinstance(cls, type):
                     raise ProtocolError(f"{entry.get('class')} is not a class")
-                obj = self._make_mirror(cls, mid) if self._make_mirror else object.__new__(cls)
+                obj = self._make_mirror(cls, mid) if self._make_mirror else _new(cls)
                 self.mirrors[mid] = obj
                 self._mirror_ids[id(obj)] = mid
         for mid, entry in states.items():
@@ -365,6 +400,16 @@ class Codec:
             slots = set(self._slot_names(type(obj)))
             if hasattr(obj, "__dict__"):
                 obj.__dict__.clear()
+            builtin = _builtin_base(type(obj))
+            if builtin is not None:
+                items = state.pop("__items__", [])
+                builtin.clear(obj)
+                if builtin is dict:
+                    dict.update(obj, items)
+                elif builtin is collections.deque:
+                    collections.deque.extend(obj, items)
+                else:
+                    builtin.__init__(obj, items)
             for k, v in state.items():
                 if k in slots or not hasattr(obj, "__dict__"):
                     object.__setattr__(obj, k, v)
@@ -474,6 +519,10 @@ class Codec:
         if type(value) is collections.defaultdict and value.default_factory in (list, int, set, dict, float):
             return {"$ddict": [[self.encode(k), self.encode(v)] for k, v in value.items()],
                     "factory": value.default_factory.__name__}
+        if type(value) is itertools.count:  # a queue's tie-breaker (PriorityRequestQueue._seq)
+            m = re.fullmatch(r"count\((-?\d+)(?:, (-?\d+))?\)", repr(value))
+            if m:
+                return {"$count": int(m.group(1)), "step": int(m.group(2) or 1)}
         if type(value) is range:
             return {"$range": [value.start, value.stop, value.step]}
         if type(value) is slice:
@@ -493,16 +542,20 @@ class Codec:
             return {"$npv": value.dtype.str, "v": value.item()}
         if isinstance(value, enum.Enum) and is_library_module(type(value).__module__):
             return {"$enum": qualified_name(type(value)), "name": value.name}
-        handle = getattr(value, "_pagedkv_handle_id", None)
-        if isinstance(handle, int) and isinstance(value, _remote_base()):
-            return {"$r": handle}
+        remote = _remote_base()
+        if isinstance(value, remote):
+            return {"$r": value._pagedkv_handle_id}
+        if isinstance(value, type) and type(value).__name__ == "RemoteClass" and \
+                type(value).__module__ == "pagedkv.grading.remote":
+            return {"$r": type.__getattribute__(value, "_pagedkv_handle")._pagedkv_handle_id}
         if is_library_module(getattr(value, "__module__", None)) and isinstance(value, type) or (
                 callable(value) and type(value).__name__ in ("function", "builtin_function_or_method")
                 and is_library_module(getattr(value, "__module__", None))):
             name = qualified_name(value)
             if name is not None:
                 return {"$ref": name}
-        if not isinstance(value, type) and _library_base(type(value), exact=self._export is not None) is not None:
+        if not isinstance(value, type) and _library_base(type(value), exact=False) is not None:
+            # a library object, a test's subclass of one (trusted side), or a learner's (sandbox side): mirrored
             return {"$m": self._mirror_id(value)}
         if self._export is not None:
             return self._export(value)
@@ -532,6 +585,8 @@ class Codec:
         if "$ddict" in value:
             factory = {"list": list, "int": int, "set": set, "dict": dict, "float": float}[value["factory"]]
             return collections.defaultdict(factory, {self.decode(k): self.decode(v) for k, v in value["$ddict"]})
+        if "$count" in value:
+            return itertools.count(int(value["$count"]), int(value.get("step", 1)))
         if "$range" in value:
             return range(*(int(v) for v in value["$range"]))
         if "$slice" in value:
