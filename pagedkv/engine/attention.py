@@ -84,19 +84,19 @@ def _attend(
     visible: torch.Tensor,  # [B, Lq, Lk] bool
     scale: float,
 ) -> torch.Tensor:
-    """Softmax attention with grouped-query heads, computed in float32; returns ``[B, Lq, Hq, D]``."""
+    """Softmax attention with grouped-query heads, computed in float32; returns ``[B, Lq, Hq, D]``.
+
+    The ``G = Hq / Hkv`` query heads that share a KV head are laid along the query axis (``[B, Hkv, G·Lq, D]``),
+    so one ``scaled_dot_product_attention`` call serves them without repeating K and V."""
     b, lq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    qf = q.float().reshape(b, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)  # [B, Hkv, G·Lq, D]
-    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, Lk]
-    vf = v.float().permute(0, 2, 1, 3)  # [B, Hkv, Lk, D]
-    scores = torch.matmul(qf, kf).mul_(scale)  # [B, Hkv, G·Lq, Lk]
     lk = visible.shape[-1]
+    qf = q.float().reshape(b, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)  # [B, Hkv, G·Lq, D]
     mask = visible[:, None].expand(b, g, lq, lk).reshape(b, 1, g * lq, lk)  # row g·Lq + i: query i
-    scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vf)  # [B, Hkv, G·Lq, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qf, k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [B, Hkv, G·Lq, D]
     return out.reshape(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, hq, d).to(q.dtype)
 
 
