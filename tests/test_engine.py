@@ -238,6 +238,8 @@ def test_stop_token_ids_and_eos(llama, prompts, llama_refs):
     try:
         eos = LLM(llama, num_gpu_blocks=200, block_size=8)
         assert eos.generate(prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out.token_ids
+        capped = eos.generate(prompts[0], SamplingParams(max_tokens=first + 1, temperature=0.0), use_tqdm=False)
+        assert capped[0].outputs[0].finish_reason == "stop"  # the stop token outranks max_tokens
         ignored = eos.generate(prompts[0], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0]
         assert ignored.token_ids == llama_refs[0][0] and ignored.finish_reason == "length"

@@ -112,7 +112,11 @@ class LLM:
                 "attn_backend='triton' needs a CUDA GPU (the lab's kernels run natively there; on a CPU use "
                 "attn_backend='torch', which reads the same paged cache)"
             )
-        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if isinstance(dtype, str) and dtype != "auto":
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"dtype must be a torch dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+            dtype = getattr(torch, dtype)
+        torch_dtype = None if dtype == "auto" else dtype
 
         register_pagedkv_attention()
         self.model, self.tokenizer = self._load(model, torch_dtype, dev, tokenizer)
@@ -391,8 +395,11 @@ class LLM:
         self.scheduler.update_from_output(so, sampled)
         for rid, token in sampled.items():
             request = seqs[rid].request
-            if not request.is_finished() and token in seqs[rid].stop_ids:
-                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+            if token in seqs[rid].stop_ids:  # a stop token outranks max_tokens (vLLM's check_stop)
+                if not request.is_finished():
+                    self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
+                elif request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+                    request.status = RequestStatus.FINISHED_STOPPED
         return [rid for rid, seq in seqs.items() if seq.request.is_finished()]
 
     def _fork(self, parent: _Sequence, cid: str, params: SamplingParams, gen: torch.Generator | None, token: int,
