@@ -152,9 +152,9 @@ def launch_decode_v3(
         out, query, key_cache, value_cache, block_tables, seq_lens,
         scale * LOG2E * k_scale,
         v_scale,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        *query.stride()[:2],  # (batch, head); head_dim's stride is 1
+        *out.stride()[:2],
+        *key_cache.stride()[:3],  # (block, token, kv head)
         block_tables.stride(0),
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),

@@ -151,14 +151,16 @@ def launch_decode_v4(
     group = num_q_heads // num_kv_heads
     o_part = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+    o_part_strides = o_part.stride()[:3]  # (batch, head, split); head_dim's is 1
+    lse_strides = lse.stride()[:2]  # (batch, head); split's is 1
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         o_part, lse, query, key_cache, value_cache, block_tables, seq_lens,
         scale * LOG2E * k_scale,
         v_scale,
-        query.stride(0), query.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        *query.stride()[:2],
+        *o_part_strides,
+        *lse_strides,
+        *key_cache.stride()[:3],
         block_tables.stride(0),
         NUM_SPLITS=num_splits,
         GROUP=group,
@@ -173,9 +175,9 @@ def launch_decode_v4(
     )
     _paged_decode_reduce_kernel[(batch, num_q_heads)](
         out, o_part, lse,
-        out.stride(0), out.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1),
+        *out.stride()[:2],
+        *o_part_strides,
+        *lse_strides,
         NUM_SPLITS=num_splits,
         BLOCK_S=next_pow2(num_splits),
         HEAD_DIM=head_dim,
