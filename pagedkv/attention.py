@@ -1,8 +1,16 @@
 """Paged attention in plain PyTorch: the reference every Triton kernel in `pagedkv.kernels` is checked against.
 
-The KV cache is a pool of fixed-size blocks, laid out as vLLM and flash-attn lay it out:
+The KV cache is a pool of fixed-size blocks, kept as two tensors (the lab's choice, for clarity):
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+vLLM 0.26's FlashAttention backend keeps one tensor per layer instead, K and V packed in the last dimension:
+logical shape ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``
+(``FlashAttentionBackend.get_kv_cache_shape``, vllm/v1/attention/backends/flash_attn.py), laid out in memory in
+the order ``get_kv_cache_stride_order`` returns (``(0, 2, 1, 3)`` for the default NHD layout, so physically
+``[num_blocks, block_size, num_kv_heads, 2 * head_size]``). Its forward pass splits it into two views,
+``kv_cache.transpose(1, 2).split(head_size, dim=-1)``, each of this module's shape with a head stride of
+``2 * head_size``; everything here (and every kernel in ``pagedkv.kernels``) accepts such views.
 
 Sequence ``b`` owns the physical blocks ``block_tables[b, 0], block_tables[b, 1], ...`` in logical order;
 its token ``t`` lives at ``key_cache[block_tables[b, t // block_size], t % block_size]``. The reference

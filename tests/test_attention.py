@@ -134,3 +134,21 @@ def test_paging_does_not_change_the_output(lens, block_size, group, seed):
     bt2 = perm[bt.long()].to(torch.int32)
     out2 = ref_paged_attention_decode(q, kc2, vc2, bt2, sl, compute_dtype=torch.float64)
     assert torch.equal(out, out2)
+
+
+def test_reference_reads_vllm_packed_layout_views():
+    """vLLM 0.26's FlashAttention cache: one tensor, logical (num_blocks, Hkv, block_size, 2 * D), NHD stride order
+    (0, 2, 1, 3), split into K/V views by ``kv_cache.transpose(1, 2).split(D, dim=-1)``: the same attention."""
+    gen = torch.Generator().manual_seed(7)
+    kc, vc, bt, sl = make_paged_kv([5, 33], 2, 8, 16, generator=gen)
+    q = torch.randn(2, 4, 8, generator=gen)
+    logical = (kc.shape[0], 2, 16, 16)
+    order = (0, 2, 1, 3)
+    kv_cache = torch.empty([logical[i] for i in order]).permute(*[order.index(i) for i in range(4)])
+    assert tuple(kv_cache.shape) == logical
+    k_view, v_view = kv_cache.transpose(1, 2).split(8, dim=-1)
+    k_view.copy_(kc)
+    v_view.copy_(vc)
+    assert k_view.stride() == (16 * 2 * 16, 2 * 16, 16, 1)  # head stride 2 * D: K and V side by side
+    want = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
+    assert torch.equal(ref_paged_attention_decode(q, k_view, v_view, bt, sl, compute_dtype=torch.float64), want)

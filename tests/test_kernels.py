@@ -882,3 +882,38 @@ def test_device_check_step_timeout_is_recorded(tmp_path):
     rec = dc.run_step("sleep", [sys.executable, "-c", "import time; time.sleep(30)"], 2.0, dict(os.environ))
     assert rec["status"].startswith("timed out") and rec["rc"] is None
     assert dc.run_step("x", [sys.executable, "-c", "pass"], 0.5, dict(os.environ))["status"].startswith("not run")
+
+
+def _vllm_views(kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same cache in vLLM 0.26's FlashAttention layout: one tensor, logical (N, Hkv, bs, 2D), NHD stride order
+    (0, 2, 1, 3), split into K/V views as ``FlashAttentionImpl.forward`` does."""
+    n, bs, hkv, d = kc.shape
+    logical = (n, hkv, bs, 2 * d)
+    order = (0, 2, 1, 3)
+    kv_cache = torch.empty([logical[i] for i in order], dtype=kc.dtype, device=kc.device)
+    kv_cache = kv_cache.permute(*[order.index(i) for i in range(4)])
+    k_view, v_view = kv_cache.transpose(1, 2).split(d, dim=-1)
+    k_view.copy_(kc)
+    v_view.copy_(vc)
+    return k_view, v_view
+
+
+@pytest.mark.parametrize("version", [*DECODE_VERSIONS, None], ids=["v1", "v2", "v3", "v4", "dispatch"])
+def test_kernels_read_vllm_layout_views(version):
+    q, kc, vc, bt, sl, ref = _decode_case([1, 17, 100], 2, 2, 32, torch.float32, seed=13)
+    k_view, v_view = _vllm_views(kc, vc)
+    out = _poisoned(q)
+    paged_attention_decode(q, k_view, v_view, bt, sl, version=version, out=out)
+    _check(out, ref, torch.float32, f"version {version} on vLLM's split views")
+
+
+def test_prefill_and_cache_write_on_vllm_layout_views():
+    q, kc, vc, bt, sl, qsl, ref = _prefill_case([17, 40], [17, 8], 2, 2, 32, torch.float32, seed=6)
+    k_view, v_view = _vllm_views(kc, vc)
+    out = _poisoned(q)
+    paged_prefill_attention(q, k_view, v_view, bt, sl, qsl, out=out)
+    _check(out, ref, torch.float32, "prefill on vLLM's split views")
+    new = torch.randn(2, 2, 32).to(DEVICE)
+    reshape_and_cache(new, -new, k_view, v_view, torch.tensor([3, 40], device=DEVICE))
+    assert torch.equal(k_view[0, 3], new[0]) and torch.equal(v_view[2, 8], -new[1])
+    assert torch.equal(k_view[0, 4], kc[0, 4]), "a neighbouring slot was overwritten"
