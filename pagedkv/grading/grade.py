@@ -321,8 +321,10 @@ def grade_notebook(
         # the same string hashes in the worker and its sandboxes (builtin_hash answers must match)
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg", PYTHONHASHSEED="0")
         with open(log_path, "wb") as log:
+            from pagedkv.grading.sandbox import same_hashes
+
             proc = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+                                    env=env, start_new_session=True, preexec_fn=same_hashes)  # noqa: PLW1509
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

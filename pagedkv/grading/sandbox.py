@@ -6,8 +6,10 @@ What the sandbox gets, and why:
   exercise's reference symbols (``questions.json``'s ``reference`` for the exercise, e.g.
   ``pagedkv.fragmentation.blocks_needed``, plus :data:`FALLBACK_REFERENCE`) rewritten in the copy's source to
   raise "not available while grading": the learner's function cannot wrap the library's answer, and the
-  original code is nowhere in the sandbox's reach (no ``__pycache__`` is copied). Python starts isolated
-  (``-I``) on that copy; the editable install's finder for the repository is removed before anything imports.
+  original code is nowhere in the sandbox's reach (no ``__pycache__`` is copied). Python starts on that
+  copy (``-s``, an environment of the grader's making, ``PYTHONHASHSEED=0`` as in the worker so that
+  ``builtin_hash`` agrees on both sides); the editable install's finder for the repository is removed before
+  anything imports.
 - **Another user** when the grader runs as root: a uid of its own per sandbox (61000 and up, held with a lock
   file so concurrent graders never share one), owner of nothing but its folder, so it cannot write the
   repository (root's files) or read another sandbox's folder; and "every process of that uid" is exactly what
@@ -62,8 +64,7 @@ FALLBACK_REFERENCE: dict[str, list[str]] = {
     "allocate_slots": ["pagedkv.kv_cache_manager.KVCacheManager.allocate_slots"],
     "hash_chain": ["pagedkv.kv_cache_utils.hash_request_tokens", "pagedkv.kv_cache_utils.update_block_hashes"],
     "prefix_lookup": ["pagedkv.kv_cache_manager.KVCacheManager.get_computed_blocks"],
-    "eviction_on_reuse": ["pagedkv.block_pool.BlockPool.get_new_blocks", "pagedkv.block_pool.BlockPool.free_blocks",
-                          "pagedkv.block_pool.BlockPool._maybe_evict_cached_block"],
+    "eviction_on_reuse": ["pagedkv.block_pool.BlockPool.get_new_blocks", "pagedkv.block_pool.BlockPool.free_blocks"],
 }
 
 _UID_BASE = 61000
@@ -73,6 +74,7 @@ _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 32, 4096, 0x4000, 1 << 18
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_ADDR_NO_RANDOMIZE = 0x0040000
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -256,9 +258,25 @@ def _reopen(libc: ctypes.CDLL, stage: Path, closed: Path, keep: Path) -> None:
     libc.mount(b"none", str(closed).encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
 
 
+def same_hashes() -> None:
+    """Turn address-space randomisation off for this process and what it executes (``setarch -R``).
+
+    Before Python 3.12, ``hash(None)`` is ``None``'s address, so the library's ``builtin_hash`` of a block
+    without extra keys differs between two processes, and a check could not compare the learner's prefix-cache
+    keys (made in the sandbox) with the reference's (made in the worker). Without randomisation, the same
+    interpreter puts ``None`` at the same address in both. The worker and the sandbox use it; neither needs
+    randomisation (the worker parses JSON, the sandbox runs arbitrary code anyway)."""
+    libc = _libc()
+    if libc is not None and sys.version_info < (3, 12):
+        current = libc.personality(0xFFFFFFFF)
+        if current != -1:
+            libc.personality(current | _ADDR_NO_RANDOMIZE)
+
+
 def _preexec(uid: int | None, memory: int, cpu_seconds: int, hide: list[str], stage: Path | None = None) -> None:
     """In the child, before exec: session, death with the parent, namespaces, limits, user."""
     os.setsid()
+    same_hashes()
     libc = _libc()
     if libc is not None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -363,7 +381,7 @@ class Sandbox:
         log = open(self.root / "tmp" / "learner-output.log", "wb")  # noqa: SIM115 - closed below
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-X", "faulthandler", str(site / "_pagedkv_sandbox_boot.py"),
+                [sys.executable, "-s", "-X", "faulthandler", str(site / "_pagedkv_sandbox_boot.py"),
                  str(to_r), str(from_w)],
                 cwd=self.root / "work", env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 pass_fds=(to_r, from_w), close_fds=True,
