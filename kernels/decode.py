@@ -71,6 +71,7 @@ class _Plan(NamedTuple):
     max_len_bound: int  # block_tables.shape[1] * block_size: the split rule's length without validation
     scale: float
     sms: int
+    element_size: int  # the KV cache's bytes per element (the tile rule depends on it)
     copy_query: bool  # query's head_dim is strided: copy it first
     fixed: DecodeConfig | None  # None: chosen per call from the validated max length
 
@@ -121,11 +122,13 @@ def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, ver
     bound = max(1, block_tables.shape[1] * block_size)
     fixed = None
     if not validate or version is not None:  # the configuration does not depend on the lengths' values
-        fixed = (choose_decode_config(max(batch, 1), num_kv_heads, bound, sms) if version is None
+        fixed = (choose_decode_config(max(batch, 1), num_kv_heads, bound, sms, key_cache.element_size())
+                 if version is None
                  else _explicit_config(version, num_splits, max(batch, 1), num_kv_heads, bound, sms))
         if fixed.version == 4 and num_splits is not None:
             fixed = fixed._replace(num_splits=num_splits)
-    return _Plan(batch, num_kv_heads, bound, resolve_scale(scale, head_dim), sms, query.stride(-1) != 1, fixed)
+    return _Plan(batch, num_kv_heads, bound, resolve_scale(scale, head_dim), sms, key_cache.element_size(),
+                 query.stride(-1) != 1, fixed)
 
 
 def paged_attention_decode(
@@ -182,7 +185,7 @@ def paged_attention_decode(
     if validate:
         max_len = check_block_tables(block_tables, seq_lens, plan.batch, key_cache.shape[0], key_cache.shape[1])
         if config is None and plan.batch:
-            config = choose_decode_config(plan.batch, plan.num_kv_heads, max_len, plan.sms)
+            config = choose_decode_config(plan.batch, plan.num_kv_heads, max_len, plan.sms, plan.element_size)
             if num_splits is not None and config.version == 4:
                 config = config._replace(num_splits=num_splits)
     if out is None:
@@ -218,7 +221,8 @@ def decode_config(
 ) -> DecodeConfig:
     """The configuration the default dispatch launches for these inputs (for the lesson and the benchmark)."""
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * key_cache.shape[1]
-    return choose_decode_config(query.shape[0], key_cache.shape[2], bound, num_sms(query.device))
+    return choose_decode_config(query.shape[0], key_cache.shape[2], bound, num_sms(query.device),
+                                key_cache.element_size())
 
 
 def _versioned(v: int):

@@ -23,6 +23,10 @@ What it showed, and the rule that follows:
 4. **Three pipeline stages, four warps, everywhere.** ``num_stages=3`` won or tied (within 1%) at
    every shape; ``num_warps=8`` never won.
 
+The sweep measured 2-byte K/V (bf16). An fp8 cache moves half the bytes per tile and uses the same rule.
+A 4-byte (fp32) cache was not measured, so it keeps the lesson's 64-token tiles and two stages (a 64-token fp32
+tile holds the bytes of a 128-token 16-bit one); only its split count follows the rule.
+
 The choice depends on integers only, so it is cached (``functools.lru_cache``): no GPU time at import,
 no timing at run time, the same answer on every machine with the same SM count.
 
@@ -90,15 +94,23 @@ def choose_num_splits(
     return _floor_pow2(min(wanted, tiles, MAX_SPLITS))
 
 
+FP32_TILE_TOKENS = 64  # 4-byte caches: the lesson's tile and pipeline depth (not swept; see above)
+FP32_NUM_STAGES = 2
+
+
 @functools.lru_cache(maxsize=4096)
-def choose_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS
-                         ) -> DecodeConfig:
+def choose_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS,
+                         element_size: int = 2) -> DecodeConfig:
     """The launch parameters ``paged_attention_decode`` uses by default for a shape (see the module docstring).
 
     Version 4 with ``choose_num_splits`` slices of 128-token tiles when the GPU would otherwise hold
     fewer than ~2 programs per SM; else version 3, with 128-token tiles up to 2 programs per SM and 64
-    above. Always 4 warps and 3 stages. Cached per shape.
+    above. Always 4 warps and 3 stages. ``element_size`` is the KV cache's (2 for fp16/bf16, 1 for fp8, 4
+    for fp32: 64-token tiles and 2 stages). Cached per shape.
     """
+    if element_size >= 4:
+        splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms, tile_tokens=FP32_TILE_TOKENS)
+        return DecodeConfig(4 if splits > 1 else 3, FP32_TILE_TOKENS, NUM_WARPS, FP32_NUM_STAGES, splits)
     splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
     if splits > 1:
         return DecodeConfig(4, SPLIT_TILE_TOKENS, NUM_WARPS, NUM_STAGES, splits)
@@ -110,9 +122,11 @@ def choose_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, num_sm
 def reachable_configs(num_sms: int = DEFAULT_NUM_SMS) -> list[DecodeConfig]:
     """Every configuration ``choose_decode_config`` can return for ``num_sms`` (the tests run each one)."""
     configs = {DecodeConfig(3, FEW_PROGRAMS_TILE_TOKENS, NUM_WARPS, NUM_STAGES, 1),
-               DecodeConfig(3, MANY_PROGRAMS_TILE_TOKENS, NUM_WARPS, NUM_STAGES, 1)}
+               DecodeConfig(3, MANY_PROGRAMS_TILE_TOKENS, NUM_WARPS, NUM_STAGES, 1),
+               DecodeConfig(3, FP32_TILE_TOKENS, NUM_WARPS, FP32_NUM_STAGES, 1)}
     splits = 2
     while splits <= min(MAX_SPLITS, TARGET_PROGRAMS_PER_SM * num_sms):
         configs.add(DecodeConfig(4, SPLIT_TILE_TOKENS, NUM_WARPS, NUM_STAGES, splits))
+        configs.add(DecodeConfig(4, FP32_TILE_TOKENS, NUM_WARPS, FP32_NUM_STAGES, splits))
         splits *= 2
     return sorted(configs)

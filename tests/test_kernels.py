@@ -123,7 +123,7 @@ def test_default_dispatch_uses_split_k_for_one_long_sequence():
     # One sequence, one KV head, 600 tokens: 1 program -> split into as many 128-token slices as there are (4).
     assert choose_num_splits(1, 1, 600) == 4
     q, kc, vc, bt, sl, ref = _decode_case([600], 1, 2, 64, torch.float32, seed=11)
-    assert pk.decode_config(q, kc, bt, 600) == pk.DecodeConfig(4, 128, 4, 3, 4)
+    assert pk.decode_config(q, kc, bt, 600) == pk.DecodeConfig(4, 64, 4, 2, 8)  # fp32: 64-token tiles -> 8 slices
     out = _poisoned(q)
     paged_attention_decode(q, kc, vc, bt, sl, out=out)
     _check(out, ref, torch.float32, "default dispatch, split-K path")
@@ -164,6 +164,17 @@ def test_tuned_dispatch_picks_the_measured_configuration(shape):
     assert tuple(pk.choose_decode_config(batch, 8, length, 132)) == MEASURED_CHOICES[shape]
 
 
+def test_tuned_dispatch_by_cache_dtype():
+    """fp8 caches follow the measured (16-bit) rule; fp32 caches, not measured, keep the lesson's tile and stages."""
+    assert pk.choose_decode_config(8, 8, 4096, 132, 1) == pk.choose_decode_config(8, 8, 4096, 132, 2)
+    assert tuple(pk.choose_decode_config(8, 8, 4096, 132, 4)) == (4, 64, 4, 2, 4)
+    assert tuple(pk.choose_decode_config(64, 8, 4096, 132, 4)) == (3, 64, 4, 2, 1)
+    q, kc, _, bt, _, _ = _decode_case([5], 1, 2, 16, torch.float32)
+    assert pk.decode_config(q, kc, bt).tile_tokens == 64
+    assert set(pk.dispatch.reachable_configs()) >= {pk.choose_decode_config(b, 8, n, 132, e) for b in (1, 8, 32, 64)
+                                                    for n in (100, 4096, 40000) for e in (1, 2, 4)}
+
+
 def test_measured_choices_agree_with_the_committed_sweep():
     """The table above is read from the committed measurements, not typed in: each choice is within 2% of the
     fastest configuration the sweep timed at its shape."""
@@ -197,7 +208,9 @@ def _launch_config(cfg, out, q, kc, vc, bt, sl, k_scale=1.0, v_scale=1.0):
 def test_every_configuration_the_dispatch_can_choose_is_exact(cfg):
     """Each (version, tile, warps, stages, splits) the rule can return, against float64, on ragged lengths
     that leave some slices empty (1 token) and give others many tiles."""
-    for dtype, lens in ((torch.float16, [1, 129, 700, 2100]), (torch.float32, [1, 200, 513])):
+    fp32_rule = (cfg.tile_tokens, cfg.num_stages) == (pk.dispatch.FP32_TILE_TOKENS, pk.dispatch.FP32_NUM_STAGES)
+    cases = ((torch.float32, [1, 200, 513]),) if fp32_rule else ((torch.float16, [1, 129, 700, 2100]),)
+    for dtype, lens in cases:  # each configuration in the dtype the rule picks it for
         q, kc, vc, bt, sl, ref = _decode_case(lens, 2, 4, 64, dtype, seed=cfg.num_splits + cfg.tile_tokens)
         out = _poisoned(q)
         _launch_config(cfg, out, q, kc, vc, bt, sl)
