@@ -160,8 +160,12 @@ def run_hf_static_batch(model, prompts, cfg: BenchConfig, budget: int) -> list[l
 
 
 def run_hf_generate_batch(model, prompts, cfg: BenchConfig, budget: int) -> list[list[int]]:
+    import logging
+
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "eos_token_id not set": on purpose
 
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
