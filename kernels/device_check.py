@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,10 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def plan(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, list[str]]]:
     """The steps to run: (name, command)."""
     py = sys.executable
+    # Parallel workers compile kernels side by side (pytest-xdist, a dev dependency); without it, one process.
+    workers = ["-n", str(args.workers)] if importlib.util.find_spec("xdist") and args.workers > 1 else []
     steps = {
         # The compile-for-sm_90 check is for machines without a GPU; here the kernels compile for real.
         "tests": [py, "-m", "pytest", str(ROOT / "tests" / "test_kernels.py"), "-q", "-p", "no:cacheprovider",
-                  "-k", "not compile_for_a_gpu", "-n", str(args.workers)],
+                  "-k", "not compile_for_a_gpu", *workers],
         "bench": [py, "-m", "pagedkv.kernels.bench", "--quick", "--out", str(out_dir)],
         "lesson": [py, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(LESSON),
                    "--output-dir", str(out_dir), "--output", "06_paged_attention_kernel.executed.ipynb",
