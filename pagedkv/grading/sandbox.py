@@ -67,6 +67,11 @@ FALLBACK_REFERENCE: dict[str, list[str]] = {
     "eviction_on_reuse": ["pagedkv.block_pool.BlockPool.get_new_blocks", "pagedkv.block_pool.BlockPool.free_blocks"],
 }
 
+#: Library helpers never stubbed, even when a set lists them: other library methods that are not the answer
+#: call them (``BlockPool.evict_blocks`` calls ``_maybe_evict_cached_block``), so a stub would break the
+#: checks on a correct answer. The part they implement is graded through the methods that are stubbed.
+NEVER_STUBBED = {"pagedkv.block_pool.BlockPool._maybe_evict_cached_block"}
+
 _UID_BASE = 61000
 _UID_COUNT = 1000
 _LOCK_DIR = Path(tempfile.gettempdir()) / "pagedkv-sandbox-uids"
