@@ -359,3 +359,40 @@ def test_torch_backend_matches_the_reference(seed):
     want = ref_paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, 0.3, compute_dtype=torch.float64)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+TRITON_ON_CPU = r"""
+import sys
+import pagedkv.kernels  # first: Triton's interpreter must be chosen before transformers loads anything
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_engine import hf_greedy, make_prompts, tiny_model
+from pagedkv.engine import LLM, SamplingParams
+torch.set_num_threads(1)
+model = tiny_model()
+prompts = make_prompts(3, lo=3, hi=12, seed=2)
+refs = [tokens for tokens, _ in hf_greedy(model, prompts, max_new=4)]
+llm = LLM(model, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=16)
+llm.runner.backend = "triton"  # the CUDA backend's code path, run by Triton's interpreter
+outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+got = [o.outputs[0].token_ids for o in outputs]
+print("MATCH" if got == refs else f"DIFFER {got} {refs}")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the Triton backend runs natively")
+def test_triton_backend_glue_under_the_interpreter():
+    """The Triton backend's glue (reshape_and_cache, paged_prefill_attention, paged_attention_decode with
+    validate=False) end to end, in a fresh process so that Triton's interpreter is chosen before anything else
+    imports Triton."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = str(Path(__file__).resolve().parent)
+    proc = subprocess.run([sys.executable, "-c", TRITON_ON_CPU, here], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=here)
+    assert "MATCH" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
