@@ -339,9 +339,11 @@ def _end_to_end(seed: int, prepare=None, attention=None) -> None:
 
 def check_prepare_inputs_end_to_end(fn) -> None:
     require_function(fn, "prepare_inputs")
+    _compare_inputs(fn, *example_step())  # a clear message first, if it is wrong on one step
     _end_to_end(0, prepare=fn)
 
 
 def check_attention_end_to_end(fn) -> None:
     require_function(fn, "paged_attention")
+    _compare_attention(fn, 0)  # a clear message first, if it is wrong on one step
     _end_to_end(1, attention=fn)
