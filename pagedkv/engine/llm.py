@@ -327,14 +327,20 @@ class LLM:
 
         bar = tqdm(total=len(prompt_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
         left = {i: p.n for i, p in enumerate(params_list)}
+        idle = 0
         try:
             while remaining:
+                steps_before = self.stats["forward_tokens"]
                 for rid in self.step(seqs):
                     done[rid] = seqs.pop(rid)
                     remaining -= 1
                     left[done[rid].prompt_index] -= 1
                     if left[done[rid].prompt_index] == 0:
                         bar.update(1)
+                idle = idle + 1 if self.stats["forward_tokens"] == steps_before else 0
+                if idle > 100:  # nothing scheduled for 100 steps: a scheduler bug, not a wait
+                    raise RuntimeError(f"the scheduler scheduled nothing for {idle} steps with {remaining} "
+                                       "sequences unfinished")
         except BaseException:
             self.scheduler.finish_requests(list(seqs))  # abort: free their blocks, keep the engine usable
             raise
