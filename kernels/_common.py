@@ -7,6 +7,7 @@ ValueError that says what was wrong; nothing is written before the checks pass.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -205,6 +206,23 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number; got {scale}")
     return scale
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def check_fp8_supported(device: torch.device) -> None:
+    """An fp8 e4m3 cache needs a GPU that converts it: compute capability 8.9+ (Ada, Hopper and newer).
+
+    Triton compiles ``float8e4nv`` only there (an A100, 8.0, offers fp8e5 and fp8e4b15 instead). The
+    interpreter reads it on any CPU.
+    """
+    if device.type == "cuda" and _cuda_capability(device) < (8, 9):
+        major, minor = _cuda_capability(device)
+        raise ValueError(f"an fp8 (e4m3) KV cache needs a GPU of compute capability 8.9 or newer; {device} is "
+                         f"{major}.{minor}: use a 16-bit cache there")
 
 
 def resolve_kv_scale(name: str, value: float, cache_dtype: torch.dtype) -> float:

@@ -507,6 +507,9 @@ def run(
         rows += t
     pdtype = "bf16" if "bf16" in dtypes else dtypes[0]
     prefill = bench_prefill(list(prefill_cases), pdtype, device, shape, reps, gen, log) if prefill_cases else []
+    if fp8_cases and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        skipped.append({"fp8": "an fp8 e4m3 cache needs compute capability 8.9+ (Ada, Hopper)"})
+        fp8_cases = ()
     fp8 = bench_fp8(list(fp8_cases), pdtype, device, shape, reps, read_bw, gen, log) if fp8_cases else []
     return {"read_roof": roof, "read_bandwidth_GBps": read_bw, "num_sms": num_sms(device), "correctness": correctness,
             "decode": rows, "prefill": prefill, "fp8": fp8, "host_overhead_us": host_overhead_us(device),

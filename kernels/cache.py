@@ -25,6 +25,7 @@ import triton.language as tl
 from ._common import (
     check_device,
     check_float_dtype,
+    check_fp8_supported,
     check_kv_cache,
     check_runnable,
     contiguous_index,
@@ -103,6 +104,8 @@ def reshape_and_cache(
     fp8 = is_fp8(key_cache.dtype)
     if value.dtype != key.dtype or (key.dtype != key_cache.dtype and not fp8):
         raise ValueError(f"key/value are {key.dtype}/{value.dtype} but the cache is {key_cache.dtype}; they must match")
+    if fp8:
+        check_fp8_supported(key.device)
     k_scale = resolve_kv_scale("k_scale", k_scale, key_cache.dtype)
     v_scale = resolve_kv_scale("v_scale", v_scale, key_cache.dtype)
     if key.shape[1:] != key_cache.shape[2:]:

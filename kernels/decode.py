@@ -32,6 +32,7 @@ import torch
 
 from ._common import (
     check_block_tables,
+    check_fp8_supported,
     check_out,
     check_query_and_cache,
     contiguous_index,
@@ -116,6 +117,8 @@ def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, ver
     if is_fp8(key_cache.dtype) and version not in (None, *FP8_VERSIONS):
         raise ValueError(f"an fp8 KV cache is read by versions {FP8_VERSIONS} (and the default dispatch); "
                          f"got version={version}")
+    if is_fp8(key_cache.dtype):
+        check_fp8_supported(query.device)
     resolve_kv_scale("k_scale", k_scale, key_cache.dtype)
     resolve_kv_scale("v_scale", v_scale, key_cache.dtype)
     sms = num_sms(query.device)

@@ -26,11 +26,13 @@ import triton.language as tl
 from ._common import (
     LOG2E,
     check_block_tables,
+    check_fp8_supported,
     check_out,
     check_query_and_cache,
     contiguous_index,
     contiguous_rows,
     dot_precision,
+    is_fp8,
     next_pow2,
     resolve_kv_scale,
     resolve_scale,
@@ -175,6 +177,8 @@ def paged_prefill_attention(
             if bool((q_lens > lens).any()):
                 i = int((q_lens > lens).nonzero()[0, 0])
                 raise ValueError(f"sequence {i} has {int(q_lens[i])} new tokens but seq_lens[{i}] = {int(lens[i])}")
+    if is_fp8(key_cache.dtype):
+        check_fp8_supported(query.device)
     k_scale = resolve_kv_scale("k_scale", k_scale, key_cache.dtype)
     v_scale = resolve_kv_scale("v_scale", v_scale, key_cache.dtype)
     out = check_out(out, query)

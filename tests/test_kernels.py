@@ -578,6 +578,18 @@ def test_fp8_refusals():
         reshape_and_cache(q16[:, :1], q16[:, :1], kc16, vc16, torch.tensor([0], device=DEVICE), k_scale=2.0)
 
 
+def test_fp8_needs_compute_capability_8_9(monkeypatch):
+    """Triton compiles float8e4nv for Ada/Hopper and newer only: an A100 gets a clear error, not a compile trace."""
+    from pagedkv.kernels import _common
+
+    monkeypatch.setattr(_common, "_cuda_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        _common.check_fp8_supported(torch.device("cuda", 0))
+    monkeypatch.setattr(_common, "_cuda_capability", lambda device: (9, 0))
+    _common.check_fp8_supported(torch.device("cuda", 0))
+    _common.check_fp8_supported(torch.device("cpu"))  # the interpreter reads fp8 anywhere
+
+
 @pytest.mark.gpu
 def test_fp8_on_gpu_close_to_the_fp16_cache():
     """On a GPU (bf16 queries): the fp8 cache's output vs the fp16 cache's, and exact on the dequantised cache."""
