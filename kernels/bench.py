@@ -54,7 +54,7 @@ from .cache import reshape_and_cache
 from .decode import decode_config, num_sms, paged_attention_decode
 from .prefill import paged_prefill_attention
 
-FULL_SHAPES = [(b, ctx) for b in (1, 8, 64, 256) for ctx in (512, 4096, 32768)] + [(32, 1024)]
+FULL_SHAPES = sorted([(b, ctx) for b in (1, 8, 64, 256) for ctx in (512, 4096, 32768)] + [(32, 1024)])
 QUICK_SHAPES = [(1, 512), (1, 32768), (8, 4096), (64, 4096)]
 TINY_SHAPES = [(1, 200), (4, 64)]
 PREFILL_FULL = [(1, 512), (1, 2048), (1, 8192), (8, 512), (4, 2048), (16, 1024)]  # (prompts, tokens each)
