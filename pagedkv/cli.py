@@ -94,7 +94,7 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         print("\n" + learner_totals(rows))
         if args.csv:
             write_csv(rows, args.csv)
-    elif results:
+    elif results and not args.no_progress:
         from pagedkv.grading.progress import record_progress
 
         try:
@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--class", dest="class_folder", metavar="FOLDER",
                    help="grade a class: FOLDER/<learner>/NN_name.ipynb (or FOLDER/NN_name-<learner>.ipynb)")
     g.add_argument("--csv", metavar="FILE", help="with --class: one row per learner and exercise")
+    g.add_argument("--no-progress", action="store_true",
+                   help="do not record the scores in .pagedkv/progress.json (the course index's progress table)")
     g.add_argument("--case-timeout", type=float, default=60.0, metavar="S",
                    help="seconds one test case may spend in your code, all its calls together (default 60)")
     g.add_argument("--memory", type=float, default=4.0, metavar="GB",

@@ -299,7 +299,7 @@ def graded(tmp_path_factory):
     main_paths += [str(tmp / "elsewhere"), str(tmp / "not_a_notebook")]
 
     start = time.monotonic()
-    long = ["--timeout", "1800", "-j", "2"]
+    long = ["--timeout", "1800", "-j", "2", "--no-progress"]
     calls = {
         "main": (_pagedkv("grade", *main_paths, "--json", str(tmp / "main.json"), *long), tmp / "main.json"),
         "class": (_pagedkv("grade", "--class", str(klass), "--csv", str(tmp / "class.csv"), "--json",
@@ -634,6 +634,18 @@ def test_slow_but_correct_function_fails_alone_saying_how_slow(graded):
     assert m, ex["message"]
     assert float(m.group(3)) >= 0.8 - 0.05 and int(m.group(1)) >= 1
     assert all("too slow" not in e["message"] for e in nb["exercises"] if e["name"] != "waste_percent")
+
+
+@pytest.mark.slow
+def test_notebook_still_running_at_its_timeout_fails_every_exercise(tmp_path):
+    nb = make_variant(tmp_path / "sleeps", GOOD, ["import time\ntime.sleep(600)"])
+    proc = subprocess.run(_pagedkv("grade", str(nb), "--timeout", "8", "--cell-timeout", "900", "--json",
+                                   str(tmp_path / "r.json"), "--no-progress"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())["notebooks"][0]
+    assert report["status"] == "timeout" and report["score"] == 0 and report["possible"] == 12
+    assert all(ex["status"] == "failed" and "timed out" in ex["message"] for ex in report["exercises"])
 
 
 @pytest.mark.slow
