@@ -9,6 +9,15 @@ The model runner performs the three block movements in this order, before the st
 ``blocks_to_swap_out`` (GPU → CPU), ``blocks_to_swap_in`` (CPU → GPU), ``blocks_to_copy`` (GPU → GPU,
 copy-on-write). Then it writes each scheduled token's K and V at ``slot_mapping[req_id]`` and runs attention
 over ``block_tables[req_id]``.
+
+Lab extensions (vLLM 0.26's ``SchedulerOutput``, ``vllm/v1/core/sched/output.py``, has none of these
+fields; its worker keeps the block tables and computes the slot mapping itself,
+``vllm/v1/worker/block_table.py``): ``block_tables`` and ``slot_mapping`` per request (so a step can be
+read without a worker), ``num_computed_tokens`` per request (vLLM carries it inside ``NewRequestData``
+and ``CachedRequestData``), ``partial_prefill_req_ids``, ``step``, and the block movements
+``blocks_to_swap_out`` and ``blocks_to_swap_in`` (vLLM V0's swap lists; vLLM 0.26 has no swapping) and
+``blocks_to_copy`` (the lab's fork copy-on-write; vLLM 0.26's only copies are ``kv_cache_block_copies``,
+for partial prefix hits in hybrid models).
 """
 
 from __future__ import annotations

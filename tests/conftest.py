@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import pytest
 from hypothesis import settings
+
+# `python -m pytest` from the repository root puts the root on sys.path, and transformers probes for Hugging
+# Face's `kernels` package by importing it: it would find the lab's kernels/ folder (which is pagedkv.kernels,
+# never a top-level module). The lab is installed, so the root is not needed on the path.
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _ROOT]
 
 # No per-example deadline anywhere: CI machines are shared, and a slow example is not a wrong one.
 settings.register_profile("lab", deadline=None)

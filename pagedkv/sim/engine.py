@@ -215,7 +215,7 @@ def run_to_completion(
         raise ValueError("request ids must be unique")
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         bar = tqdm(total=len(reqs), desc="requests", unit="req")
 
