@@ -51,6 +51,9 @@ class AttentionMetadata:
     decode_req_idx: torch.Tensor | None = None  # [Bd] int64: the requests with q_len == 1
     prefill_reqs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (b, lo, hi, seq_len)
     decode_version: int | None = None  # the Triton decode kernel for decode-only steps (None: its choice)
+    # The torch backend's decode groups, built once per step (None: one group of decode_req_idx):
+    # (token index [Bg], block table [Bg, W] int64, visible [Bg, 1, W·bs] bool) per group.
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -59,6 +62,35 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def make_decode_groups(
+    decode_req_idx: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: list[int],
+    block_size: int,
+    max_groups: int = 4,
+    min_group: int = 8,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Split the decode requests, sorted by length, into up to ``max_groups`` groups of at least ``min_group``:
+    each group is gathered only as wide as its own longest request, so short requests do not pay for the
+    longest one's padding. Returns ``(token index, block table, visible)`` per group (see
+    :class:`AttentionMetadata`)."""
+    order = sorted(decode_req_idx, key=lambda b: seq_lens[b])
+    n_groups = max(1, min(max_groups, len(order) // min_group))
+    groups = []
+    for g in range(n_groups):
+        members = order[g * len(order) // n_groups : (g + 1) * len(order) // n_groups]
+        if not members:
+            continue
+        lens = torch.tensor([seq_lens[b] for b in members])
+        width = -(-int(lens.max()) // block_size)
+        table = block_tables[torch.tensor(members), :width].long()  # [Bg, W]
+        visible = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, :]  # [Bg, 1, W·bs]
+        tok = torch.tensor([query_start_loc[b] for b in members])  # [Bg]
+        groups.append((tok, table, visible))
+    return groups
 
 
 def write_kv_torch(
@@ -109,23 +141,23 @@ def torch_paged_attention(
 ) -> torch.Tensor:
     """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
 
-    Decode requests (one new token) are done together: their blocks are gathered through the block table
-    into a padded ``[Bd, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``. Each prefill chunk is
-    done alone, its keys gathered the same way, with a causal mask offset by its cached prefix. The same
-    arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
+    Decode requests (one new token) are done in a few groups of similar length: a group's blocks are gathered
+    through the block table into a padded ``[Bg, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``.
+    Each prefill chunk is done alone, its keys gathered the same way, with a causal mask offset by its cached
+    prefix. The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
     """
     out = torch.empty_like(query)
     bs = key_cache.shape[1]
     hkv, d = key_cache.shape[2], key_cache.shape[3]
-    if meta.decode_req_idx is not None and meta.decode_req_idx.numel():
-        idx = meta.decode_req_idx
-        lens = meta.seq_lens[idx].long()  # [Bd]
-        width = -(-int(lens.max()) // bs)
-        table = meta.block_tables[idx, :width].long()  # [Bd, W]
-        k = key_cache[table].reshape(idx.numel(), width * bs, hkv, d)  # [Bd, W·bs, Hkv, D]
-        v = value_cache[table].reshape(idx.numel(), width * bs, hkv, d)
-        visible = (torch.arange(width * bs, device=query.device)[None, :] < lens[:, None])[:, None, :]  # [Bd,1,L]
-        tok = meta.query_start_loc[idx].long()  # [Bd]: the token of each decode request
+    groups = meta.decode_groups
+    if groups is None and meta.decode_req_idx is not None and meta.decode_req_idx.numel():
+        groups = make_decode_groups(meta.decode_req_idx.tolist(), meta.seq_lens.tolist(), meta.block_tables.cpu(),
+                                    meta.query_start_loc.tolist(), bs, max_groups=1)
+        groups = [tuple(t.to(query.device) for t in g) for g in groups]
+    for tok, table, visible in groups or []:  # tok [Bg], table [Bg, W], visible [Bg, 1, W·bs]
+        n, width = table.shape
+        k = key_cache[table].reshape(n, width * bs, hkv, d)  # [Bg, W·bs, Hkv, D]
+        v = value_cache[table].reshape(n, width * bs, hkv, d)
         out[tok] = _attend(query[tok][:, None], k, v, visible, scale)[:, 0]
     for b, lo, hi, seq_len in meta.prefill_reqs:
         nblk = -(-seq_len // bs)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata
+from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
 from pagedkv.sched_output import SchedulerOutput
 
 
@@ -328,6 +328,10 @@ class ModelRunner:
             backend=self.backend,
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
+            decode_groups=None if self.backend == "triton" or not decodes else [
+                tuple(t.to(dev) for t in g)
+                for g in make_decode_groups(decodes, inputs.seq_lens, tables, qsl, self.block_size)
+            ],
         )
 
     @torch.no_grad()
