@@ -450,6 +450,8 @@ class Codec:
 
     def write_back(self, storages: dict) -> None:
         """Copy the storages the other side sent back into the tensors this side had sent (in-place writes)."""
+        if not storages:
+            return
         import numpy as np
         import torch
 
@@ -467,10 +469,12 @@ class Codec:
             flat.copy_(new)
 
     def load_storages(self, storages: dict) -> None:
+        self.received_storages = {}
+        if not storages:
+            return
         import numpy as np
         import torch
 
-        self.received_storages = {}
         for sid, entry in (storages or {}).items():
             data = base64.b64decode(entry["data"])
             if len(data) != int(entry["nbytes"]):
