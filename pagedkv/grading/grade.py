@@ -1,16 +1,18 @@
-"""``pagedkv grade``: grade exercise notebooks headless, on copies, with a timeout per notebook.
+"""``pagedkv grade``: grade exercise notebooks headless, each in a worker of its own, with time limits.
 
 For each notebook (files given, or every ``*.ipynb`` under the folders given), the autograder zip is the one
 whose name matches the notebook's (``exercises/01_fragmentation.ipynb`` -> ``grading/autograder/
 01_fragmentation.zip``; a file such as ``01_fragmentation-alice.ipynb`` matches on its ``NN_`` prefix, and
-failing that the assignment name otter stored in the notebook decides). The notebook is copied to a
-temporary folder and graded there by :mod:`pagedkv.grading.worker` (``otter run``) in a process session of
-its own; the learner's file is never opened for writing.
+failing that the assignment name stored in the notebook decides). The notebook is copied to a temporary folder
+and graded there by :mod:`pagedkv.grading.worker`, in a session of its own: the learner's code runs only in the
+worker's sandboxes (:mod:`pagedkv.grading.sandbox`), the tests and the verdict in the worker. The learner's file
+is never opened for writing.
 
 Whatever the notebook does, the outcome is a row per exercise, in the notebook's order: code that raises fails
-that exercise with the error's message, a call that hangs is interrupted by the test's own time limit, a cell
-that hangs by the per-cell limit (the notebook's row names the cell), and a notebook still running at
-``timeout`` seconds is killed, with each of its exercises failed as "timed out". When a function "is not
+that exercise's case with the error's message, a call that hangs is interrupted by the check's own time limit, a
+test case that waits too long for the learner's code fails as "too slow", a cell that hangs is interrupted by the
+per-cell limit (the notebook's row names the cell by its heading and first line), and a notebook still running
+at ``timeout`` seconds is stopped, with each of its exercises failed as "timed out". When a function "is not
 defined" because the cell defining it raised (a SyntaxError, say) or was interrupted, the failure says so. The
 grader itself does not crash on a learner's notebook, and exits 0 when it graded.
 """

@@ -43,8 +43,9 @@ from typing import Any
 
 __all__ = ["MAX_MESSAGE", "Codec", "ProtocolError", "read_message", "write_message"]
 
-#: The largest message either side accepts (bytes): a tensor argument of a few hundred MB is the most a test sends.
-MAX_MESSAGE = 1 << 30
+#: The largest message either side accepts (bytes): the exercises' tensors are a few MB; a learner's function that
+#: returns more fails its test case (the worker never holds more than this of the learner's making).
+MAX_MESSAGE = 256 << 20
 
 _HEADER = struct.Struct(">Q")
 _BUILTIN_EXCEPTIONS = {name: obj for name, obj in vars(__import__("builtins")).items()
