@@ -68,3 +68,44 @@ def test_run_all_goes_on_past_an_answer_that_raises() -> None:
     results = NB.grade({"paged_admission": raising}, only={"paged_admission"})  # a demo cell that raised would raise
     assert results and not any(ok for _, _, ok, _ in results)
     assert all("raised NotImplementedError" in msg for *_, msg in results)
+
+
+def test_a_rounding_mistake_in_exercise_1_costs_points_in_exercise_1_only() -> None:
+    """The learner's report: blocks_needed rounding down scored 0/12 on the whole set. Exercises 2-4 are judged
+    with exercise 1's answer in place of the learner's blocks_needed, and the learner's names are put back."""
+    floor = NB.solutions["blocks_needed"].replace("return (num_tokens + block_size - 1) // block_size",
+                                                  "return num_tokens // block_size")
+    assert floor != NB.solutions["blocks_needed"]
+    results = NB.grade({"blocks_needed": floor})
+    for q in QUESTIONS[1:]:
+        passed, total, first = _points(results, q)
+        assert (passed, total, first) == (total, total, ""), (q, first)
+    passed, total, first = _points(results, "blocks_needed")
+    assert passed == 0 and "rounded down" in first
+
+
+def test_a_later_exercise_that_keeps_its_own_copy_of_exercise_1_is_told_to_fix_exercise_1_first() -> None:
+    floor = NB.solutions["blocks_needed"].replace("return (num_tokens + block_size - 1) // block_size",
+                                                  "return num_tokens // block_size")
+    captured = NB.solutions["contiguous_capacity"].replace(
+        "def contiguous_capacity(pool_blocks: int, max_len: int, block_size: int) -> int:",
+        "def contiguous_capacity(pool_blocks: int, max_len: int, block_size: int, _bn=blocks_needed) -> int:"
+    ).replace("blocks_needed(max_len, block_size)", "_bn(max_len, block_size)")
+    assert "_bn(" in captured
+    results = NB.grade({"blocks_needed": floor, "contiguous_capacity": captured}, only={"contiguous_capacity"})
+    passed, total, first = _points(results, "contiguous_capacity")
+    assert passed < total
+    assert first.startswith("exercise 1 (`blocks_needed`) is failing; fix it first.") and "Hint" not in first
+
+
+def test_the_learners_blocks_needed_is_put_back_after_each_check() -> None:
+    from pagedkv.grading.lessons import l01_fragmentation as l01
+
+    namespace: dict = {}
+    exec(NB.solutions["blocks_needed"] + "\n" + NB.solutions["contiguous_capacity"], namespace)
+    mine = namespace["blocks_needed"]
+    l01.check_contiguous_capacity_examples(namespace["contiguous_capacity"])
+    assert namespace["blocks_needed"] is mine
+    del namespace["blocks_needed"]
+    l01.check_contiguous_capacity_hidden(namespace["contiguous_capacity"])
+    assert "blocks_needed" not in namespace

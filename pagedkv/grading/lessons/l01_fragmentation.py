@@ -10,6 +10,7 @@ and a hidden random sweep (1 point).
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.grading.checks import expect_equal, expect_raises, fail, require_function, run
+from pagedkv.grading.lessons.depends import Earlier, with_earlier_answers
 
 __all__ = [
     "SEED_LENS",
@@ -33,6 +35,7 @@ __all__ = [
     "check_paged_admission_skip",
     "check_waste_percent_examples",
     "check_waste_percent_hidden",
+    "reference_blocks_needed",
 ]
 
 #: The lesson's sixteen sequences (a pool of 128 blocks of 16: FCFS admits 13, skip 14).
@@ -44,6 +47,30 @@ _NO_TIES = [(SEED_LENS, 128, 16), ([], 128, 16), ([16, 17], 2, 16), ([100, 1, 1]
 # Cases where one does: each admits a sequence into exactly the blocks left.
 _TIES = [([16, 16], 2, 16), ([17, 16, 1], 2, 16), ([16, 33, 16], 5, 16), ([0, 5, 0], 0, 16), ([32], 2, 16),
          ([5, 100, 3], 1, 8)]
+
+
+def reference_blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Exercise 1's answer: what the checks of exercises 2-4 put in place of the learner's ``blocks_needed``
+    (so that a mistake in exercise 1 costs no points there; the grader keeps it out of exercise 1's reach)."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return int(-(-num_tokens // block_size))
+
+
+def _uses_blocks_needed(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A check of exercise 2, 3 or 4 (the learner's function ``name``), run with exercise 1's answer in place of
+    the learner's ``blocks_needed`` (:mod:`pagedkv.grading.lessons.depends`)."""
+    earlier = [Earlier("blocks_needed", 1, reference_blocks_needed, lambda fn: check_blocks_needed_examples(fn))]
+
+    def decorate(check: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(check)
+        def judged(fn: Any, *args: Any, env: Any = None, **kwargs: Any) -> None:
+            with_earlier_answers(fn, earlier, lambda: check(fn, *args, **kwargs), what=name, env=env)
+        return judged
+
+    return decorate
 
 
 def admitted(lens: Sequence[int], pool_blocks: int, block_size: int, policy: str, *, strict: bool = False
@@ -87,6 +114,7 @@ def _expect(fn: Any, lens: Sequence[int], pool: int, block_size: int, policy: st
                  hint=_hint(lens, pool, block_size, policy or "fcfs"), name="paged_admission", timeout=2)
 
 
+@_uses_blocks_needed("paged_admission")
 def check_paged_admission_fcfs(paged_admission: Any) -> None:
     """policy='fcfs' (and the default) on cases without an exact fit."""
     require_function(paged_admission, "paged_admission")
@@ -96,6 +124,7 @@ def check_paged_admission_fcfs(paged_admission: Any) -> None:
                  hint="called without a policy, paged_admission must use policy='fcfs'", timeout=2)
 
 
+@_uses_blocks_needed("paged_admission")
 def check_paged_admission_skip(paged_admission: Any) -> None:
     """policy='skip' on cases without an exact fit."""
     require_function(paged_admission, "paged_admission")
@@ -103,6 +132,7 @@ def check_paged_admission_skip(paged_admission: Any) -> None:
         _expect(paged_admission, lens, pool, b, "skip")
 
 
+@_uses_blocks_needed("paged_admission")
 def check_paged_admission_boundary(paged_admission: Any) -> None:
     """Exact fits (both policies), then small random cases (seeded), smallest first."""
     require_function(paged_admission, "paged_admission")
@@ -119,8 +149,9 @@ def check_paged_admission_boundary(paged_admission: Any) -> None:
                 _expect(paged_admission, lens, pool, b, policy)
 
 
+@_uses_blocks_needed("paged_admission")
 def check_paged_admission_errors(paged_admission: Any) -> None:
-    """The refusals, and ``lens`` left as it was (a tuple works too)."""
+    """The refusals, and ``lens`` left as it was (a tuple works too): the case "refusals and lens untouched"."""
     require_function(paged_admission, "paged_admission")
     expect_raises(ValueError, paged_admission, ([40], 128, 16, "lifo"), name="paged_admission",
                   why="an unknown policy", timeout=2)
@@ -135,9 +166,11 @@ def check_paged_admission_errors(paged_admission: Any) -> None:
     if lens != SEED_LENS:
         fail(f"paged_admission changed its argument lens: {SEED_LENS} became {lens}")
     expect_equal(paged_admission, (tuple(SEED_LENS), 100, 16, "skip"), admitted(SEED_LENS, 100, 16, "skip"),
-                 name="paged_admission", timeout=2)
+                 name="paged_admission", timeout=2,
+                 hint="lens may be any sequence, a tuple too: read it, do not call list methods on it")
 
 
+@_uses_blocks_needed("paged_admission")
 def check_paged_admission_hidden(paged_admission: Any, seed: int = 99991) -> None:
     """Random realistic batches (log-normal lengths), both policies."""
     require_function(paged_admission, "paged_admission")
@@ -205,6 +238,7 @@ def check_blocks_needed_hidden(blocks_needed):
     expect_raises(ValueError, blocks_needed, (0, 0), why="block_size 0", timeout=2)
 
 
+@_uses_blocks_needed("contiguous_capacity")
 def check_contiguous_capacity_examples(contiguous_capacity):
     require_function(contiguous_capacity, "contiguous_capacity")
 
@@ -213,7 +247,7 @@ def check_contiguous_capacity_examples(contiguous_capacity):
         def explain(got):
             if max_len % b and per_seq > 1 and got == pool // (max_len // b):
                 return (f"each sequence reserves ceil({max_len} / {b}) = {per_seq} blocks, not "
-                        f"{max_len // b}: check blocks_needed")
+                        f"{max_len // b}: round up")
             if got == pool * b // max_len:
                 return f"count whole blocks per sequence ({per_seq}), not tokens: a reservation is whole blocks"
             return f"each sequence reserves {per_seq} blocks; {pool} blocks hold {pool // per_seq} of them"
@@ -229,6 +263,7 @@ def check_contiguous_capacity_examples(contiguous_capacity):
     expect_raises(ValueError, contiguous_capacity, (128, 512, 0), why="block_size 0", timeout=2)
 
 
+@_uses_blocks_needed("contiguous_capacity")
 def check_contiguous_capacity_hidden(contiguous_capacity):
     require_function(contiguous_capacity, "contiguous_capacity")
     rng = random.Random(4242)
@@ -240,6 +275,7 @@ def check_contiguous_capacity_hidden(contiguous_capacity):
         expect_equal(contiguous_capacity, (pool, max_len, b), want, timeout=2)
 
 
+@_uses_blocks_needed("waste_percent")
 def check_waste_percent_examples(waste_percent):
     require_function(waste_percent, "waste_percent")
 
@@ -264,6 +300,7 @@ def check_waste_percent_examples(waste_percent):
     expect_raises(ValueError, waste_percent, ([10], 0), why="block_size 0", timeout=2)
 
 
+@_uses_blocks_needed("waste_percent")
 def check_waste_percent_hidden(waste_percent):
     require_function(waste_percent, "waste_percent")
 

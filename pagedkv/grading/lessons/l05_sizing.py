@@ -13,6 +13,7 @@ are plain dicts (what ``model.config.to_dict()`` gives), so they cross to a sand
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import torch
 
 from pagedkv import sizing
 from pagedkv.grading.checks import describe, expect_raises, fail, require_function, run
+from pagedkv.grading.lessons.depends import Earlier, with_earlier_answers
 
 __all__ = [
     "PUBLISHED",
@@ -39,6 +41,8 @@ __all__ = [
     "expected_page",
     "expected_prediction",
     "random_config",
+    "reference_kv_page_bytes",
+    "reference_num_gpu_blocks",
 ]
 
 GiB = 1 << 30
@@ -129,10 +133,11 @@ def _expect_int(got: Any, expected: int, call: str, mistakes: list[tuple[int, st
         if isinstance(got, float) and got == expected:
             fail(message + f" (a {type(got).__name__}: return an int; use // rather than /)")
         fail(message + f" (expected an int, got {type(got).__name__})")
-    hints = list(dict.fromkeys(why for value, why in mistakes if int(got) == value))
+    hints = list(dict.fromkeys(why.rstrip(".") for value, why in mistakes if int(got) == value))
     if hints:
-        text = "; or ".join(hints)  # several mistakes can give the same number
-        fail(f"{message}. Hint: {text}{'' if text.endswith('?') else '.'}")
+        # several mistakes can give the same number: one sentence each
+        text = " Or ".join(h + ("" if h.endswith("?") else ".") for h in hints)
+        fail(f"{message}. Hint: {text}")
     fail(message + ".")
 
 
@@ -266,7 +271,10 @@ def check_num_gpu_blocks_random(num_gpu_blocks: Any) -> None:
 def check_num_gpu_blocks_errors(num_gpu_blocks: Any) -> None:
     """Utilization outside (0, 1], negative figures, and non-KV memory over the request refused (1 point)."""
     require_function(num_gpu_blocks, "num_gpu_blocks")
-    _check_blocks(num_gpu_blocks, _EXAMPLES[0])
+    try:
+        _check_blocks(num_gpu_blocks, _EXAMPLES[0])
+    except AssertionError as exc:
+        fail(f"the refusals are checked once a valid call works, and this one does not yet: {exc}")
     good = list(_EXAMPLES[0])
     for util in (0, 0.0, -0.1, 1.01, 1.5):
         args = tuple(good[:1] + [util] + good[2:])
@@ -295,6 +303,34 @@ def check_num_gpu_blocks_hidden(num_gpu_blocks: Any) -> None:
 # --- predict_num_gpu_blocks ----------------------------------------------------------------------------------
 
 
+def reference_kv_page_bytes(config: dict[str, Any], block_size: int, kv_cache_dtype: Any = "auto") -> int:
+    """Exercise 1's answer, what exercise 3's checks put in place of the learner's ``kv_page_bytes``."""
+    return sizing.kv_page_bytes(config, block_size, kv_cache_dtype)
+
+
+def reference_num_gpu_blocks(total: int, utilization: float, weights: int, peak_activation: int, non_torch: int,
+                             cudagraph: int, page_bytes: int, num_layers: int) -> int:  # fmt: skip
+    """Exercise 2's answer, what exercise 3's checks put in place of the learner's ``num_gpu_blocks``."""
+    return sizing.num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes,
+                                 num_layers)  # fmt: skip
+
+
+def _uses_exercises_1_and_2(check: Callable[..., None]) -> Callable[..., None]:
+    """A check of ``predict_num_gpu_blocks`` run with exercises 1 and 2's answers in place of the learner's
+    ``kv_page_bytes`` and ``num_gpu_blocks`` (:mod:`pagedkv.grading.lessons.depends`): a missing x2 in the page
+    costs points in exercise 1 only."""
+    earlier = [Earlier("kv_page_bytes", 1, reference_kv_page_bytes, lambda fn: check_kv_page_bytes_published(fn)),
+               Earlier("num_gpu_blocks", 2, reference_num_gpu_blocks,
+                       lambda fn: check_num_gpu_blocks_examples(fn))]  # fmt: skip
+
+    @functools.wraps(check)
+    def judged(fn: Any, *args: Any, env: Any = None, **kwargs: Any) -> None:
+        with_earlier_answers(fn, earlier, lambda: check(fn, *args, **kwargs), what="predict_num_gpu_blocks",
+                             env=env)
+
+    return judged
+
+
 def expected_prediction(config, weights_bytes, max_num_batched_tokens, total_memory, utilization, block_size,
                         kv_cache_dtype) -> int:  # fmt: skip
     """What vLLM's arithmetic gives on a CPU profile: estimated activations, no non-torch or CUDA-graph memory."""
@@ -317,7 +353,7 @@ def _check_prediction(predict: Callable, args: tuple) -> None:
     layers = config["num_hidden_layers"]
     mistakes = [
         (sizing.num_gpu_blocks(total, util, weights, peak, 0, 0, page // 2, layers),
-         "twice the blocks: did your page size forget the factor 2 for keys and values?"),
+         "twice the blocks: does your page size leave out the factor 2 for keys and values?"),
         (sizing.num_gpu_blocks(total, util, weights, 0, 0, 0, page, layers),
          "subtract the peak activations too (sizing.estimate_peak_activation(config, max_num_batched_tokens))"),
         *_blocks_mistakes(total, util, weights, peak, 0, 0, page, layers),
@@ -330,6 +366,7 @@ def _lesson7_config() -> dict[str, Any]:
                 intermediate_size=128, vocab_size=512, dtype="float32")  # fmt: skip
 
 
+@_uses_exercises_1_and_2
 def check_predict_examples(predict_num_gpu_blocks: Any) -> None:
     """The tiny CPU model against a 512 MiB budget, Llama-3.1-8B on 80 GiB and 24 GiB GPUs (1 point)."""
     require_function(predict_num_gpu_blocks, "predict_num_gpu_blocks")
@@ -344,6 +381,7 @@ def check_predict_examples(predict_num_gpu_blocks: Any) -> None:
         _check_prediction(predict_num_gpu_blocks, args)
 
 
+@_uses_exercises_1_and_2
 def check_predict_hidden(predict_num_gpu_blocks: Any) -> None:
     """Random configs, budgets and dtypes (hidden, 1 point)."""
     require_function(predict_num_gpu_blocks, "predict_num_gpu_blocks")
