@@ -488,6 +488,10 @@ class Client:
                 raise
             # interrupted here (CallTimeout from the checks' time limit, Ctrl-C): stop the learner's call too
             self._interrupt_and_drain()
+            if self.dead is not None and type(exc).__name__ == "CallTimeout":
+                what = str(exc).replace("did not finish within", "did not return within")
+                self.dead = (f"{what}: is there an infinite loop? It ignored the interrupt too, so its process was "
+                             "killed")
             raise
 
     def _wait(self, timeout: float | None) -> bool:

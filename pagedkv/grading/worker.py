@@ -324,8 +324,10 @@ class Grader:
             passed, message = False, str(exc) or "failed"
         except TooSlow as exc:
             passed, message = False, str(exc)
-        except SandboxDied as exc:
-            passed, message = False, f"your code ended the process that runs it: {exc}"
+        except SandboxDied as exc:  # the check went on after a failure, or the learner's code ended its process
+            why = str(exc)
+            passed, message = False, why if "did not return within" in why else \
+                f"your code ended the process that runs it: {why}"
         except Exception as exc:  # noqa: BLE001 - a check that breaks on odd learner code still reports
             passed, message = False, f"{type(exc).__name__}: {exc}"
         except BaseException as exc:  # noqa: BLE001 - CallTimeout escaping a check, KeyboardInterrupt
