@@ -14,11 +14,11 @@ That is the source card's chain: more sequences in the batch amortise the weight
 
 Parameters (edit them to model another machine; every number below is a stated assumption):
 
-- ``H100_SXM``: NVIDIA H100 SXM5 80 GB datasheet: 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s dense BF16 tensor
-  (1979 is the 2:4-sparse figure), PCIe Gen5 x16 at 64 GB/s per direction. Achievable fractions are our
-  assumptions: 80 % of HBM bandwidth (typical of large streaming kernels), 50 % of peak FLOP/s for prefill
-  (typical MFU), 80 % of PCIe with pinned host memory, and 1 ms of per-step overhead (scheduling, input
-  preparation, kernel launches).
+- ``H100_SXM``: NVIDIA H100 SXM5 80 GB datasheet: 80 GB HBM3 (80 GiB, as vLLM's log counts it) at 3.35 TB/s, 989
+  TFLOP/s dense BF16 tensor (1979 is the 2:4-sparse figure), PCIe Gen5 x16 at 64 GB/s per direction. Achievable
+  fractions are our assumptions: 80 % of HBM bandwidth (typical of large streaming kernels), 50 % of peak FLOP/s
+  for prefill (typical MFU), 80 % of PCIe with pinned host memory, and 1 ms of per-step overhead (scheduling,
+  input preparation, kernel launches).
 - ``LLAMA2_7B``: Llama-2-7B's Hugging Face config (32 layers, hidden 4096, 32 attention heads, 32 KV heads,
   head_dim 128; 6.74e9 parameters), FP16 weights and KV: 13.5 GB of weights, and
   ``2 (K, V) * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB`` of KV per token (the PagedAttention paper
@@ -76,7 +76,9 @@ class ModelSpec:
 #: ``CacheConfig.gpu_memory_utilization``'s default in vLLM 0.26 (``vllm/config/cache.py``).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 
-H100_SXM = GPUSpec("H100 SXM5 80GB", hbm_bytes=80e9, hbm_bandwidth=3.35e12, peak_flops=989e12, pcie_bandwidth=64e9)
+H100_SXM = GPUSpec(
+    "H100 SXM5 80GB", hbm_bytes=80 * 2**30, hbm_bandwidth=3.35e12, peak_flops=989e12, pcie_bandwidth=64e9
+)
 LLAMA2_7B = ModelSpec(
     "Llama-2-7B", num_params=6.74e9, num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128
 )
@@ -150,9 +152,9 @@ class CostModel:
             available = requested - non_kv - cudagraph_bytes
             if available <= 0:
                 raise ValueError(
-                    f"no memory left for the KV cache: {requested / 1e9:.2f} GB requested "
-                    f"({gpu_memory_utilization} of {self.gpu.hbm_bytes / 1e9:.0f} GB), "
-                    f"{(non_kv + cudagraph_bytes) / 1e9:.2f} GB of it is not KV"
+                    f"no memory left for the KV cache: {requested / 2**30:.2f} GiB requested "
+                    f"({gpu_memory_utilization} of {self.gpu.hbm_bytes / 2**30:.0f} GiB), "
+                    f"{(non_kv + cudagraph_bytes) / 2**30:.2f} GiB of it is not KV"
                 )
         return int(available // self.kv_bytes_per_block)
 
