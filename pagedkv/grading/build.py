@@ -66,15 +66,16 @@ _GRADESCOPE_ONLY = {"environment.yml", "setup.sh", "run_autograder", "run_otter.
 _ZIP_DATE = (2020, 1, 1, 0, 0, 0)
 
 #: The autograder zip's description of the set, read by the grader and the notebook's checks:
-#: ``{"questions": [name, ...], "exercises": {name: {number, heading, stub, reference}}}`` (see
+#: ``{"questions": [name, ...], "exercises": {name: {number, heading, stub, reference, points, ...}}}`` (see
 #: :func:`describe_questions`); the generated notebooks carry the same under ``metadata["pagedkv"]``.
 QUESTIONS_FILE = "questions.json"
 
 #: The check-all section that ends every generated notebook (markdown, then the code cell).
 CHECK_ALL_MARKDOWN = """## Check everything
 
-The cell below runs the public test cases of every exercise in this notebook and lists your points per exercise,
-then each failing case in full. (`./lab grade` runs the hidden cases too.)
+The cell below runs the public test cases of every exercise in this notebook and lists, per exercise, how many
+pass and the points the exercise is worth, then each failing case in full. (`./lab grade` runs the hidden cases
+too and gives your points.)
 
 To start an exercise over, run `grader.reset("name")` in any cell, with the exercise's name as its check cell
 spells it (`grader.check("name")`): it prints the exercise's code as it was handed out and puts it in a new cell
@@ -157,13 +158,16 @@ def question_order(nb: nbformat.NotebookNode) -> list[str]:
 
 
 def describe_questions(source_nb: nbformat.NotebookNode, student_nb: nbformat.NotebookNode) -> dict:
-    """``{"questions": [...], "exercises": {name: {"number", "heading", "stub", "reference"}}}``.
+    """``{"questions": [...], "exercises": {name: {"number", "heading", "stub", "reference", "points",
+    "public_points", "heading_points"}}}``.
 
     From the source: each question's heading (its first markdown heading, without the "## " and the points:
     what JupyterLab's table of contents shows), the number it starts with, and the library symbols that answer
     it (``reference:`` in the ``# BEGIN QUESTION`` cell, a list of dotted names such as
     ``pagedkv.fragmentation.blocks_needed``; the grader makes them unreachable from the learner's code). From
-    the learner's notebook: the answer cells as handed out, which ``grader.reset(name)`` brings back."""
+    the learner's notebook: the answer cells as handed out, which ``grader.reset(name)`` brings back. The
+    points: what the grader awards (the sum of every test case's ``points:``, hidden ones included), what the
+    public cases are worth, and what the heading says ("(3 points)"; None without); a test checks they agree."""
     import yaml  # otter's dependency
 
     exercises: dict[str, dict] = {}
@@ -183,13 +187,25 @@ def describe_questions(source_nb: nbformat.NotebookNode, student_nb: nbformat.No
             current = name
             order.append(name)
             exercises[name] = {"number": None, "heading": "", "stub": "",
-                               "reference": [str(r) for r in reference]}
+                               "reference": [str(r) for r in reference], "points": 0.0, "public_points": 0.0,
+                               "heading_points": None}
         elif cell.cell_type == "raw" and text.startswith("# END QUESTION"):
             current = None
+        elif current and cell.cell_type == "code" and text.startswith('""" # BEGIN TEST CONFIG'):
+            block = text.split('""" # END TEST CONFIG', 1)[0].removeprefix('""" # BEGIN TEST CONFIG')
+            case = yaml.safe_load(block) or {}
+            points = float(case.get("points") or 0) if isinstance(case, dict) else 0.0
+            exercises[current]["points"] += points
+            if not (isinstance(case, dict) and case.get("hidden")):
+                exercises[current]["public_points"] += points
         elif current and cell.cell_type == "markdown" and not exercises[current]["heading"]:
             for line in cell.source.splitlines():
                 m = re.match(r"^#+\s+(.*\S)\s*$", line)
                 if m:
+                    stated = _POINTS.search(m.group(1))
+                    if stated:
+                        exercises[current]["heading_points"] = float(re.findall(r"\d+(?:\.\d+)?",
+                                                                                 stated.group(0))[0])
                     heading = _POINTS.sub("", m.group(1))
                     exercises[current]["heading"] = heading
                     number = re.match(r"^(\d+)[.)]\s", heading)

@@ -45,6 +45,7 @@ class Exercise:
     heading: str = ""  # the heading without its "## " and points: "2. `get_new_blocks` and `free_blocks`"
     stub: str = ""  # the learner's answer cell(s) as generated: what reset() brings back
     reference: list[str] = field(default_factory=list)  # library symbols that answer it (see grading/README.md)
+    points: float | None = None  # what the grader awards for it, hidden cases included (the heading says the same)
 
     @property
     def title(self) -> str:
@@ -95,20 +96,41 @@ class CheckResult:
     def possible(self) -> float:
         return sum(c.points for c in self.cases)
 
+    def status(self) -> str:
+        """``2/2 public cases pass; the grader also runs hidden cases for the full 3 points``: how many public
+        cases pass, and what the exercise is worth (its heading's points, what ``pagedkv grade`` awards)."""
+        n = len(self.cases)
+        text = f"{sum(c.passed for c in self.cases)}/{n} public case{'s' if n != 1 else ''} pass"
+        total = self.exercise.points
+        if total is None or total <= self.possible:
+            total = total if total is not None else self.possible
+            return text + f" ({_points(total)})"
+        return text + f"; the grader also runs hidden cases for the full {_points(total)}"
+
     def __repr__(self) -> str:
         title = self.exercise.title
         if self.problem:
             return f"{title}: cannot check it: {self.problem}"
         if self.passed:
-            return f"{title}: all {len(self.cases)} public test case{'s' if len(self.cases) != 1 else ''} passed ✅"
-        cases = "public test case" if len(self.cases) == 1 else "public test cases"
-        lines = [f"{title}: {sum(c.passed for c in self.cases)} of {len(self.cases)} {cases} passed"]
+            return f"{title}: {self.status()} ✅"
+        lines = [f"{title}: {self.status()}"]
+        shown: dict[str, str] = {}  # message -> the case that showed it first
         for c in self.cases:
-            lines.append(f"  {'✅' if c.passed else '❌'} {c.name}" + ("" if c.passed else f": {c.message}"))
+            if c.passed:
+                lines.append(f"  ✅ {c.name}")
+            elif c.message in shown:  # several cases stopped at the same first failure: show it once
+                lines.append(f"  ❌ {c.name}: same cause as {shown[c.message]!r} above")
+            else:
+                shown[c.message] = c.name
+                lines.append(f"  ❌ {c.name}: {c.message}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's display of a returned value
         p.text(repr(self))
+
+
+def _points(x: float) -> str:
+    return f"{x:g} point" + ("" if x == 1 else "s")
 
 
 def _case_label(question: str, func_name: str) -> str:
@@ -150,8 +172,10 @@ def _exercises_from_json(data: dict[str, Any]) -> list[Exercise]:
     out = []
     for name in data.get("questions") or []:
         info = described.get(name) or {}
+        points = info.get("points")
         out.append(Exercise(name, info.get("number"), info.get("heading") or "", info.get("stub") or "",
-                            list(info.get("reference") or [])))
+                            list(info.get("reference") or []),
+                            float(points) if isinstance(points, (int, float)) and points > 0 else None))
     return out
 
 
@@ -299,20 +323,16 @@ class CheckSummary:
             return f"{self.set_name}: cannot check it: {self.problem}"
         if not self.results:
             return f"{self.set_name}: checked by the grader"
-        lines = [f"{self.set_name}, public test cases:"]
+        lines = [f"{self.set_name}, public cases (the points are each exercise's, as the grader awards them):"]
         for r in self.results:
-            if r.problem:
-                status = f"cannot check it: {r.problem}"
-            else:
-                unit = "point" if r.possible == 1 else "points"
-                status = f"{r.score:g} / {r.possible:g} {unit}" + (" ✅" if r.passed else "")
+            status = f"cannot check it: {r.problem}" if r.problem else r.status() + (" ✅" if r.passed else "")
             lines.append(f"  {r.exercise.title}: {status}")
         failing = [r for r in self.results if not r.passed and not r.problem]
         if failing:
             lines.append("")
             lines += [repr(r) for r in failing]
         else:
-            lines.append("\nEvery public case passes. `./lab grade` adds the hidden cases.")
+            lines.append("\nEvery public case passes. `./lab grade` adds the hidden cases and gives your points.")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
