@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -141,9 +142,27 @@ def _expect_int(got: Any, expected: int, call: str, mistakes: list[tuple[int, st
     fail(message + ".")
 
 
+_KEY_ERROR = re.compile(r"""raised KeyError: (?:"'([^'"]*)'"|'([^'"]*)')""")
+
+
+def _run_on_config(fn: Callable, args: tuple, name: str, timeout: float) -> Any:
+    """``run``, with a KeyError on the config explained: the key may be missing (or None) in a real config."""
+    try:
+        return run(fn, args, name=name, timeout=timeout)
+    except AssertionError as exc:
+        text = str(exc)
+        m = _KEY_ERROR.search(text)
+        if m is None:
+            raise
+        key = m.group(1) or m.group(2)
+        text = _KEY_ERROR.sub(f"raised KeyError: {key!r}", text, count=1)  # one pair of quotes, as Python prints
+        fail(f"{text}. Hint: this config has no {key!r}: a config may leave out num_key_value_heads and head_dim "
+             "(or set them to None); read them with config.get(...) and fall back as the exercise says")
+
+
 def _check_page(kv_page_bytes: Callable, config: dict[str, Any], block_size: int, dtype: Any) -> None:
     call = f"kv_page_bytes({_short(config)}, {block_size}, {describe(dtype)})"
-    got = run(kv_page_bytes, (dict(config), block_size, dtype), name="kv_page_bytes", timeout=2)
+    got = _run_on_config(kv_page_bytes, (dict(config), block_size, dtype), "kv_page_bytes", 2)
     _expect_int(got, expected_page(config, block_size, dtype), call, _page_mistakes(config, block_size, dtype))
 
 
@@ -345,8 +364,8 @@ def _check_prediction(predict: Callable, args: tuple) -> None:
     call = (f"predict_num_gpu_blocks({_short(config)}, weights_bytes={weights}, max_num_batched_tokens={tokens}, "
             f"total_memory={total}, gpu_memory_utilization={util}, block_size={block_size}, "
             f"kv_cache_dtype={describe(dtype)})")  # fmt: skip
-    got = run(predict, (dict(config), weights, tokens, total, util, block_size, dtype),
-              name="predict_num_gpu_blocks", timeout=5)  # fmt: skip
+    got = _run_on_config(predict, (dict(config), weights, tokens, total, util, block_size, dtype),
+                         "predict_num_gpu_blocks", 5)  # fmt: skip
     expected = expected_prediction(*args)
     peak = sizing.estimate_peak_activation(config, tokens)
     page = expected_page(config, block_size, dtype)
