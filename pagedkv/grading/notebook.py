@@ -100,7 +100,7 @@ class CheckResult:
         """``2/2 public cases pass; the grader also runs hidden cases for the full 3 points``: how many public
         cases pass, and what the exercise is worth (its heading's points, what ``pagedkv grade`` awards)."""
         n = len(self.cases)
-        text = f"{sum(c.passed for c in self.cases)}/{n} public case{'s' if n != 1 else ''} pass"
+        text = f"{sum(c.passed for c in self.cases)}/{n} " + ("public case passes" if n == 1 else "public cases pass")
         total = self.exercise.points
         if total is None or total <= self.possible:
             total = total if total is not None else self.possible
