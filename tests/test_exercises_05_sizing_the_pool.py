@@ -1,0 +1,38 @@
+"""Exercise set 05 (sizing the pool): a mistake in exercise 1 or 2 costs points there only. Exercise 3's checks
+put the reference ``kv_page_bytes`` and ``num_gpu_blocks`` in place of the learner's while they run
+(``pagedkv.grading.lessons.depends``); ``tests/test_sizing.py`` tests each check's messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from source_notebook import SourceNotebook
+
+SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "05_sizing_the_pool.ipynb"
+NB = SourceNotebook(SOURCE, tolerate_cell_errors=True)
+
+
+def _cases(results, question):
+    return [(ok, msg) for q, _, ok, msg in results if q == question]
+
+
+def test_a_page_without_the_factor_2_costs_points_in_exercise_1_only() -> None:
+    half = NB.solutions["kv_page_bytes"].replace("return 2 * block_size *", "return block_size *")
+    assert half != NB.solutions["kv_page_bytes"]
+    results = NB.grade({"kv_page_bytes": half})
+    assert not any(ok for ok, _ in _cases(results, "kv_page_bytes"))
+    assert all(ok for ok, _ in _cases(results, "num_gpu_blocks"))
+    assert all(ok for ok, _ in _cases(results, "predict_num_gpu_blocks")), _cases(results, "predict_num_gpu_blocks")
+
+
+def test_a_prediction_that_keeps_its_own_page_size_is_told_to_fix_exercise_1_first() -> None:
+    half = NB.solutions["kv_page_bytes"].replace("return 2 * block_size *", "return block_size *")
+    own = NB.solutions["predict_num_gpu_blocks"].replace(
+        "kv_cache_dtype=\"auto\") -> int:", "kv_cache_dtype=\"auto\", _page=kv_page_bytes) -> int:"
+    ).replace("page = kv_page_bytes(config, block_size, kv_cache_dtype)",
+              "page = _page(config, block_size, kv_cache_dtype)")
+    assert "_page(config" in own and "_page=kv_page_bytes" in own
+    results = NB.grade({"kv_page_bytes": half, "predict_num_gpu_blocks": own}, only={"predict_num_gpu_blocks"})
+    (ok, first), *_ = _cases(results, "predict_num_gpu_blocks")
+    assert not ok and first.startswith("exercise 1 (`kv_page_bytes`) is failing; fix it first.")
+    assert "Hint" not in first
