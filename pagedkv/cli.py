@@ -120,6 +120,11 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     names = args.names or list(BENCHMARKS)
+    extra = getattr(args, "extra", [])
+    if extra and len(names) != 1:
+        print(f"pagedkv bench: options {extra} go to one benchmark; name exactly one (e.g. pagedkv bench engine "
+              "--json out.json)", file=sys.stderr)
+        return 2
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         print(f"pagedkv bench: unknown benchmark(s) {unknown}; known: {sorted(BENCHMARKS)}", file=sys.stderr)
@@ -127,7 +132,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     status = 0
     for name in names:
         print(f"== {name} ({BENCHMARKS[name]})", flush=True)
-        rc = subprocess.call([sys.executable, "-m", BENCHMARKS[name]])
+        rc = subprocess.call([sys.executable, "-m", BENCHMARKS[name], *extra])
         if rc != 0:
             print(f"pagedkv bench: {name} exited with status {rc}", file=sys.stderr)
             status = 1
@@ -167,13 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_build)
 
     r = sub.add_parser("bench", help="run benchmarks and print their tables")
-    r.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default: all of {sorted(BENCHMARKS)})")
+    r.add_argument(
+        "names", nargs="*", metavar="NAME",
+        help=f"benchmarks to run (default: all of {sorted(BENCHMARKS)}); options after one name go to that "
+        "benchmark (pagedkv bench engine --json out.json)",
+    )
     r.set_defaults(func=_cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     return int(args.func(args) or 0)
 
 
