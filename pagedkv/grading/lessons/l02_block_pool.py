@@ -142,7 +142,8 @@ def hint(table, positions, bs):
     return explain
 
 
-def check_free_queue_examples(FreeQueue):
+def _require_own_queue(FreeQueue):
+    """FreeQueue is the learner's class, not the library's FreeKVCacheBlockQueue or a wrapper of it."""
     require_function(FreeQueue, "FreeQueue")
     if inspect.isclass(FreeQueue) and issubclass(FreeQueue, FreeKVCacheBlockQueue):
         fail("FreeQueue subclasses the library's FreeKVCacheBlockQueue: write the four methods yourself")
@@ -150,6 +151,64 @@ def check_free_queue_examples(FreeQueue):
         code_obj = getattr(getattr(FreeQueue, meth, None), "__code__", None)
         if code_obj is not None and "FreeKVCacheBlockQueue" in code_obj.co_names:
             fail(f"FreeQueue.{meth} calls the library's FreeKVCacheBlockQueue: write it yourself")
+
+
+def _free_queue_random_run(FreeQueue, rng, n_blocks, n_ops, label):
+    """Random operations on a FreeQueue against a model list; the queue is checked after each."""
+    blocks = [KVCacheBlock(i) for i in range(n_blocks)]
+    start = list(range(n_blocks))
+    rng.shuffle(start)
+    k = rng.randrange(0, n_blocks + 1)
+    model = start[:k]
+    q = run(FreeQueue, ([blocks[i] for i in model],), name="FreeQueue")
+    check(q, model, f"{label}: FreeQueue(blocks {model})", blocks)
+    history = [f"FreeQueue({model})"]
+    for _ in range(n_ops):
+        outside = [i for i in range(n_blocks) if i not in model]
+        op = rng.choice(["popleft", "remove", "append", "appendleft"])
+        if op == "popleft" and model:
+            got = run(q.popleft, name="popleft")
+            want = model.pop(0)
+            history.append("popleft()")
+            if got is not blocks[want]:
+                fail(f"{label}: after {'; '.join(history[-6:])}, popleft() returned {got!r}, expected block {want}")
+        elif op == "remove" and model:
+            i = rng.choice(model)
+            model.remove(i)
+            history.append(f"remove({i})")
+            run(q.remove, (blocks[i],), name="remove")
+        elif op in ("append", "appendleft") and outside:
+            i = rng.choice(outside)
+            history.append(f"{op}({i})")
+            if op == "append":
+                model.append(i)
+                run(q.append, (blocks[i],), name="append")
+            else:
+                model.insert(0, i)
+                run(q.appendleft, (blocks[i],), name="appendleft")
+        else:
+            continue
+        check(q, model, f"{label}: {'; '.join(history[-6:])}", blocks)
+
+
+def _pool_state(pool):
+    """Everything a call may change: queue order, ref counts, hashes and the cache map."""
+    return (
+        [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        [b.ref_cnt for b in pool.blocks],
+        [b.block_hash for b in pool.blocks],
+        {h: sorted(m) for h, m in pool.cached_block_hash_to_block.items()},
+    )
+
+
+def _forbid_library_call(fn, name):
+    """The learner's function must not call the library's function of the same name."""
+    if name in getattr(getattr(fn, "__code__", None), "co_names", ()):
+        fail(f"your {name} calls the library's {name}: write it with pool.free_block_queue instead")
+
+
+def check_free_queue_examples(FreeQueue):
+    _require_own_queue(FreeQueue)
 
     blocks = [KVCacheBlock(i) for i in range(6)]
     q = run(FreeQueue, (blocks,), name="FreeQueue")
@@ -188,104 +247,21 @@ def check_free_queue_examples(FreeQueue):
 
 
 def check_free_queue_random(FreeQueue):
-    require_function(FreeQueue, "FreeQueue")
-    if inspect.isclass(FreeQueue) and issubclass(FreeQueue, FreeKVCacheBlockQueue):
-        fail("FreeQueue subclasses the library's FreeKVCacheBlockQueue: write the four methods yourself")
-    for meth in ("popleft", "remove", "append", "appendleft"):
-        code_obj = getattr(getattr(FreeQueue, meth, None), "__code__", None)
-        if code_obj is not None and "FreeKVCacheBlockQueue" in code_obj.co_names:
-            fail(f"FreeQueue.{meth} calls the library's FreeKVCacheBlockQueue: write it yourself")
-
-    def random_run(rng, n_blocks, n_ops, label):
-        blocks = [KVCacheBlock(i) for i in range(n_blocks)]
-        start = list(range(n_blocks))
-        rng.shuffle(start)
-        k = rng.randrange(0, n_blocks + 1)
-        model = start[:k]
-        q = run(FreeQueue, ([blocks[i] for i in model],), name="FreeQueue")
-        check(q, model, f"{label}: FreeQueue(blocks {model})", blocks)
-        history = [f"FreeQueue({model})"]
-        for _ in range(n_ops):
-            outside = [i for i in range(n_blocks) if i not in model]
-            op = rng.choice(["popleft", "remove", "append", "appendleft"])
-            if op == "popleft" and model:
-                got = run(q.popleft, name="popleft")
-                want = model.pop(0)
-                history.append("popleft()")
-                if got is not blocks[want]:
-                    fail(f"{label}: after {'; '.join(history[-6:])}, popleft() returned {got!r}, expected block {want}")
-            elif op == "remove" and model:
-                i = rng.choice(model)
-                model.remove(i)
-                history.append(f"remove({i})")
-                run(q.remove, (blocks[i],), name="remove")
-            elif op in ("append", "appendleft") and outside:
-                i = rng.choice(outside)
-                history.append(f"{op}({i})")
-                if op == "append":
-                    model.append(i)
-                    run(q.append, (blocks[i],), name="append")
-                else:
-                    model.insert(0, i)
-                    run(q.appendleft, (blocks[i],), name="appendleft")
-            else:
-                continue
-            check(q, model, f"{label}: {'; '.join(history[-6:])}", blocks)
+    _require_own_queue(FreeQueue)
 
     rng = random.Random(2002)
     for case in range(100):  # small queues first, so the first failure reported is a small one
-        random_run(rng, n_blocks=1 + case // 8, n_ops=25, label=f"random case {case}")
+        _free_queue_random_run(FreeQueue, rng, n_blocks=1 + case // 8, n_ops=25, label=f"random case {case}")
 
 
 def check_free_queue_hidden(FreeQueue):
-    require_function(FreeQueue, "FreeQueue")
-    if inspect.isclass(FreeQueue) and issubclass(FreeQueue, FreeKVCacheBlockQueue):
-        fail("FreeQueue subclasses the library's FreeKVCacheBlockQueue: write the four methods yourself")
-    for meth in ("popleft", "remove", "append", "appendleft"):
-        code_obj = getattr(getattr(FreeQueue, meth, None), "__code__", None)
-        if code_obj is not None and "FreeKVCacheBlockQueue" in code_obj.co_names:
-            fail(f"FreeQueue.{meth} calls the library's FreeKVCacheBlockQueue: write it yourself")
-
-    def random_run(rng, n_blocks, n_ops, label):
-        blocks = [KVCacheBlock(i) for i in range(n_blocks)]
-        start = list(range(n_blocks))
-        rng.shuffle(start)
-        k = rng.randrange(0, n_blocks + 1)
-        model = start[:k]
-        q = run(FreeQueue, ([blocks[i] for i in model],), name="FreeQueue")
-        check(q, model, f"{label}: FreeQueue(blocks {model})", blocks)
-        history = [f"FreeQueue({model})"]
-        for _ in range(n_ops):
-            outside = [i for i in range(n_blocks) if i not in model]
-            op = rng.choice(["popleft", "remove", "append", "appendleft"])
-            if op == "popleft" and model:
-                got = run(q.popleft, name="popleft")
-                want = model.pop(0)
-                history.append("popleft()")
-                if got is not blocks[want]:
-                    fail(f"{label}: after {'; '.join(history[-6:])}, popleft() returned {got!r}, expected block {want}")
-            elif op == "remove" and model:
-                i = rng.choice(model)
-                model.remove(i)
-                history.append(f"remove({i})")
-                run(q.remove, (blocks[i],), name="remove")
-            elif op in ("append", "appendleft") and outside:
-                i = rng.choice(outside)
-                history.append(f"{op}({i})")
-                if op == "append":
-                    model.append(i)
-                    run(q.append, (blocks[i],), name="append")
-                else:
-                    model.insert(0, i)
-                    run(q.appendleft, (blocks[i],), name="appendleft")
-            else:
-                continue
-            check(q, model, f"{label}: {'; '.join(history[-6:])}", blocks)
+    _require_own_queue(FreeQueue)
 
     rng = random.Random(918273)
     # (sized for the sandboxed grader, where every call and attribute read is a round trip to the learner's process)
     for case in range(20):
-        random_run(rng, n_blocks=rng.choice([1, 2, 3, 40, 120]), n_ops=120, label=f"hidden random case {case}")
+        _free_queue_random_run(FreeQueue, rng, n_blocks=rng.choice([1, 2, 3, 40, 120]), n_ops=120,
+                               label=f"hidden random case {case}")
     # Every refused call leaves the queue exactly as it was.
     blocks = [KVCacheBlock(i) for i in range(4)]
     q = run(FreeQueue, (blocks[:2],), name="FreeQueue")
@@ -301,13 +277,7 @@ def check_free_queue_hidden(FreeQueue):
 
 
 def check_free_queue_in_the_block_pool(FreeQueue):
-    require_function(FreeQueue, "FreeQueue")
-    if inspect.isclass(FreeQueue) and issubclass(FreeQueue, FreeKVCacheBlockQueue):
-        fail("FreeQueue subclasses the library's FreeKVCacheBlockQueue: write the four methods yourself")
-    for meth in ("popleft", "remove", "append", "appendleft"):
-        code_obj = getattr(getattr(FreeQueue, meth, None), "__code__", None)
-        if code_obj is not None and "FreeKVCacheBlockQueue" in code_obj.co_names:
-            fail(f"FreeQueue.{meth} calls the library's FreeKVCacheBlockQueue: write it yourself")
+    _require_own_queue(FreeQueue)
 
     # Your queue inside the library's BlockPool: allocations pop it, frees append to either end, cache hits
     # remove from the middle. A model list says what the order must be after every step.
@@ -363,18 +333,7 @@ def check_free_queue_in_the_block_pool(FreeQueue):
 
 def check_get_new_blocks_alone(get_new_blocks):
     require_function(get_new_blocks, "get_new_blocks")
-    if "get_new_blocks" in getattr(getattr(get_new_blocks, "__code__", None), "co_names", ()):
-        fail("your get_new_blocks calls the library's get_new_blocks: write it with pool.free_block_queue instead")
-
-    def state(pool):
-        """Everything a call may change: queue order, ref counts, hashes and the cache map."""
-        return (
-            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            [b.ref_cnt for b in pool.blocks],
-            [b.block_hash for b in pool.blocks],
-            {h: sorted(m) for h, m in pool.cached_block_hash_to_block.items()},
-        )
-
+    _forbid_library_call(get_new_blocks, "get_new_blocks")
     # Allocation alone: the pool's own free_blocks (the library's) puts blocks back where needed.
     pool = BlockPool(8)
     got = run(get_new_blocks, (pool, 3), name="get_new_blocks")
@@ -402,7 +361,7 @@ def check_get_new_blocks_alone(get_new_blocks):
     pool = BlockPool(6)
     run(get_new_blocks, (pool, 2), name="get_new_blocks")
     cache(pool, pool.blocks[5], 777)  # a free block holding a cached prefix
-    before = state(pool)
+    before = _pool_state(pool)
     for n in (4, 5, 100):  # 3 are free
         try:
             got = get_new_blocks(pool, n)
@@ -411,30 +370,20 @@ def check_get_new_blocks_alone(get_new_blocks):
         except Exception as exc:
             fail(f"get_new_blocks(pool, {n}) with 3 free blocks raised {type(exc).__name__}: {exc}, "
                  "expected ValueError")
-        after = state(pool)
+        after = _pool_state(pool)
         if after != before:
             fail(f"get_new_blocks(pool, {n}) with only 3 blocks free changed the pool: {diff(before, after)}. "
                  "Check the free count before popping anything: a failed call must change nothing")
         if got != "ValueError":
             fail(f"get_new_blocks(pool, {n}) with only 3 blocks free returned {describe(got)}, expected ValueError")
     expect_raises(ValueError, get_new_blocks, (pool, -1), name="get_new_blocks", why="a negative count")
-    if state(pool) != before:
-        fail(f"get_new_blocks(pool, -1) changed the pool: {diff(before, state(pool))}")
+    if _pool_state(pool) != before:
+        fail(f"get_new_blocks(pool, -1) changed the pool: {diff(before, _pool_state(pool))}")
 
 
 def check_free_blocks_alone(free_blocks):
     require_function(free_blocks, "free_blocks")
-    if "free_blocks" in getattr(getattr(free_blocks, "__code__", None), "co_names", ()):
-        fail("your free_blocks calls the library's free_blocks: write it with pool.free_block_queue instead")
-
-    def state(pool):
-        """Everything a call may change: queue order, ref counts, hashes and the cache map."""
-        return (
-            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            [b.ref_cnt for b in pool.blocks],
-            [b.block_hash for b in pool.blocks],
-            {h: sorted(m) for h, m in pool.cached_block_hash_to_block.items()},
-        )
+    _forbid_library_call(free_blocks, "free_blocks")
 
     # Freeing alone: the blocks are handed out by the pool's own get_new_blocks (the library's).
     pool = BlockPool(8)
@@ -465,22 +414,12 @@ def check_free_blocks_alone(free_blocks):
 
 def check_free_blocks_refuses_without_change(free_blocks):
     require_function(free_blocks, "free_blocks")
-    if "free_blocks" in getattr(getattr(free_blocks, "__code__", None), "co_names", ()):
-        fail("your free_blocks calls the library's free_blocks: write it with pool.free_block_queue instead")
-
-    def state(pool):
-        """Everything a call may change: queue order, ref counts, hashes and the cache map."""
-        return (
-            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            [b.ref_cnt for b in pool.blocks],
-            [b.block_hash for b in pool.blocks],
-            {h: sorted(m) for h, m in pool.cached_block_hash_to_block.items()},
-        )
+    _forbid_library_call(free_blocks, "free_blocks")
 
     pool = BlockPool(6)
     held = pool.get_new_blocks(2)
     cache(pool, pool.blocks[5], 777)  # a free block holding a cached prefix
-    before = state(pool)
+    before = _pool_state(pool)
     free_one = pool.blocks[4]
     for args, why in [
         ([free_one], "block 4 is free (ref_cnt 0): freeing it again"),
@@ -492,313 +431,159 @@ def check_free_blocks_refuses_without_change(free_blocks):
             expect_raises(ValueError, free_blocks, (pool, args), name="free_blocks", why=why)
         except AssertionError as exc:  # the pool by what it holds, not as <BlockPool object>
             fail(str(exc).replace(describe(pool), "pool (6 blocks: 1 and 2 held once, 3 to 5 free, 5 cached)", 1))
-        after = state(pool)
+        after = _pool_state(pool)
         if after != before:
             fail(f"free_blocks refused {[b.block_id for b in args]} ({why}) but changed the pool first: "
                  f"{diff(before, after)}. Check every block before changing any")
 
 
-def check_pool_state_machine(get_new_blocks, free_blocks):
+def _pool_state_machine(get_new_blocks, free_blocks, seed, cases, steps, sizes, label):
+    """Random operation sequences against a model; the invariants are checked after every step."""
     require_function(get_new_blocks, "get_new_blocks")
     require_function(free_blocks, "free_blocks")
     for fn, name in ((get_new_blocks, "get_new_blocks"), (free_blocks, "free_blocks")):
-        if name in getattr(getattr(fn, "__code__", None), "co_names", ()):
-            fail(f"your {name} calls the library's {name}: write it with pool.free_block_queue instead")
-
-    def state(pool):
-        """Everything a call may change: queue order, ref counts, hashes and the cache map."""
-        return (
-            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            [b.ref_cnt for b in pool.blocks],
-            [b.block_hash for b in pool.blocks],
-            {h: sorted(m) for h, m in pool.cached_block_hash_to_block.items()},
-        )
-
-    def machine(seed, cases, steps, sizes, label):
-        """Random operation sequences against a model; the invariants are checked after every step."""
-        rng = random.Random(seed)
-        for case in range(cases):
-            n = rng.choice(sizes)
-            pool = BlockPool(n)
-            model = list(range(1, n))  # free queue, head first
-            holders = []  # each holder: the blocks it holds, in table order
-            next_hash = 0
-            log = []
-            for step in range(steps):
-                op = rng.choice(["alloc", "alloc", "free", "free", "share", "cache", "hit", "bad_alloc", "bad_free"])
-                before = state(pool)
-                if op == "alloc":
-                    k = rng.randrange(0, 5)
-                    if k > len(model):
-                        continue
-                    got = run(get_new_blocks, (pool, k), name="get_new_blocks")
-                    want = model[:k]
-                    if [getattr(b, "block_id", None) for b in (got or [])] != want or not isinstance(got, list):
-                        fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with free queue "
-                             f"{model} returned {describe(got)}, expected blocks {want}")
-                    model = model[k:]
-                    holders.append(got)
-                    log.append(f"get_new_blocks({k}) -> {want}")
-                    for b in got:
-                        cached = pool.cached_block_hash_to_block.values()
-                        if b.block_hash is not None or any(b.block_id in m for m in cached):
-                            fail(f"{label} case {case} step {step}: block {b.block_id} held a cached prefix and was "
-                                 "popped by get_new_blocks, but it was not evicted (hash still set or still in "
-                                 "the cache map): call evict_if_cached(pool, block) on every block you pop")
-                elif op == "free" and holders:
-                    blocks = holders.pop(rng.randrange(len(holders)))
-                    order = list(reversed(blocks))
-                    run(free_blocks, (pool, order), name="free_blocks")
-                    counts = {}
-                    for b in order:
-                        counts[b.block_id] = counts.get(b.block_id, 0) + 1
-                    remaining = {b.block_id for h in holders for b in h}
-                    back = []
-                    for b in order:
-                        if b.block_id not in remaining and b.block_id not in [x.block_id for x in back]:
-                            back.append(b)
-                    model = [b.block_id for b in back if b.block_hash is None] + model
-                    model += [b.block_id for b in back if b.block_hash is not None]
-                    log.append(f"free_blocks({[b.block_id for b in order]})")
-                elif op == "share" and holders:
-                    blocks = list(rng.choice(holders))
-                    pool.touch(blocks)
-                    holders.append(blocks)
-                    log.append(f"share {[b.block_id for b in blocks]}")
-                elif op == "cache" and holders:
-                    nonempty = [h for h in holders if h]
-                    if not nonempty:
-                        continue
-                    b = rng.choice(rng.choice(nonempty))
-                    if b.block_hash is not None:
-                        continue
-                    next_hash += 1
-                    cache(pool, b, next_hash)
-                    log.append(f"cache block {b.block_id}")
-                elif op == "hit":
-                    cached = [i for i in model if pool.blocks[i].block_hash is not None]
-                    if not cached:
-                        continue
-                    b = pool.blocks[rng.choice(cached)]
-                    pool.touch([b])
-                    model.remove(b.block_id)
-                    holders.append([b])
-                    log.append(f"cache hit on free block {b.block_id}")
-                elif op == "bad_alloc":
-                    k = len(model) + rng.randrange(1, 3)
-                    try:
-                        get_new_blocks(pool, k)
-                    except ValueError:
-                        pass
-                    except Exception as exc:
-                        fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with {len(model)} free "
-                             f"raised {type(exc).__name__}: {exc}, expected ValueError")
-                    else:
-                        fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with {len(model)} free "
-                             "returned instead of raising ValueError")
-                    if state(pool) != before:
-                        fail(f"{label} case {case} step {step}: the refused get_new_blocks(pool, {k}) changed the "
-                             f"pool: {diff(before, state(pool))}")
+        _forbid_library_call(fn, name)
+    rng = random.Random(seed)
+    for case in range(cases):
+        n = rng.choice(sizes)
+        pool = BlockPool(n)
+        model = list(range(1, n))  # free queue, head first
+        holders = []  # each holder: the blocks it holds, in table order
+        next_hash = 0
+        log = []
+        for step in range(steps):
+            op = rng.choice(["alloc", "alloc", "free", "free", "share", "cache", "hit", "bad_alloc", "bad_free"])
+            before = _pool_state(pool)
+            if op == "alloc":
+                k = rng.randrange(0, 5)
+                if k > len(model):
                     continue
-                elif op == "bad_free" and model:
-                    b = pool.blocks[rng.choice(model)]
-                    try:
-                        free_blocks(pool, [b])
-                    except ValueError:
-                        pass
-                    except Exception as exc:
-                        fail(f"{label} case {case} step {step}: free_blocks(pool, [block {b.block_id}]) on a free "
-                             f"block raised {type(exc).__name__}: {exc}, expected ValueError")
-                    else:
-                        fail(f"{label} case {case} step {step}: free_blocks(pool, [block {b.block_id}]) on a free "
-                             "block (ref_cnt 0) returned instead of raising ValueError")
-                    if state(pool) != before:
-                        fail(f"{label} case {case} step {step}: the refused free_blocks changed the pool: "
-                             f"{diff(before, state(pool))}")
+                got = run(get_new_blocks, (pool, k), name="get_new_blocks")
+                want = model[:k]
+                if [getattr(b, "block_id", None) for b in (got or [])] != want or not isinstance(got, list):
+                    fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with free queue "
+                         f"{model} returned {describe(got)}, expected blocks {want}")
+                model = model[k:]
+                holders.append(got)
+                log.append(f"get_new_blocks({k}) -> {want}")
+                for b in got:
+                    cached = pool.cached_block_hash_to_block.values()
+                    if b.block_hash is not None or any(b.block_id in m for m in cached):
+                        fail(f"{label} case {case} step {step}: block {b.block_id} held a cached prefix and was "
+                             "popped by get_new_blocks, but it was not evicted (hash still set or still in "
+                             "the cache map): call evict_if_cached(pool, block) on every block you pop")
+            elif op == "free" and holders:
+                blocks = holders.pop(rng.randrange(len(holders)))
+                order = list(reversed(blocks))
+                run(free_blocks, (pool, order), name="free_blocks")
+                counts = {}
+                for b in order:
+                    counts[b.block_id] = counts.get(b.block_id, 0) + 1
+                remaining = {b.block_id for h in holders for b in h}
+                back = []
+                for b in order:
+                    if b.block_id not in remaining and b.block_id not in [x.block_id for x in back]:
+                        back.append(b)
+                model = [b.block_id for b in back if b.block_hash is None] + model
+                model += [b.block_id for b in back if b.block_hash is not None]
+                log.append(f"free_blocks({[b.block_id for b in order]})")
+            elif op == "share" and holders:
+                blocks = list(rng.choice(holders))
+                pool.touch(blocks)
+                holders.append(blocks)
+                log.append(f"share {[b.block_id for b in blocks]}")
+            elif op == "cache" and holders:
+                nonempty = [h for h in holders if h]
+                if not nonempty:
                     continue
+                b = rng.choice(rng.choice(nonempty))
+                if b.block_hash is not None:
+                    continue
+                next_hash += 1
+                cache(pool, b, next_hash)
+                log.append(f"cache block {b.block_id}")
+            elif op == "hit":
+                cached = [i for i in model if pool.blocks[i].block_hash is not None]
+                if not cached:
+                    continue
+                b = pool.blocks[rng.choice(cached)]
+                pool.touch([b])
+                model.remove(b.block_id)
+                holders.append([b])
+                log.append(f"cache hit on free block {b.block_id}")
+            elif op == "bad_alloc":
+                k = len(model) + rng.randrange(1, 3)
+                try:
+                    get_new_blocks(pool, k)
+                except ValueError:
+                    pass
+                except Exception as exc:
+                    fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with {len(model)} free "
+                         f"raised {type(exc).__name__}: {exc}, expected ValueError")
                 else:
-                    continue
-                where = f"{label} case {case}, after {'; '.join(log[-5:])}"
-                q = queue(pool)
-                if q != model:
-                    hint = ""
-                    if sorted(q) == sorted(model):
-                        hint = (" (the right blocks in the wrong order: uncached blocks go to the head as a group in "
-                                "the order given; cached blocks to the tail)")
-                    fail(f"{where}: the free queue is {q}, expected {model}{hint}")
-                holds = {}
-                for h in holders:
-                    for b in h:
-                        holds[b.block_id] = holds.get(b.block_id, 0) + 1
-                for b in pool.blocks[1:]:
-                    want_ref = holds.get(b.block_id, 0)
-                    if b.ref_cnt != want_ref:
-                        fail(f"{where}: block {b.block_id} has ref_cnt {b.ref_cnt}, but {want_ref} holder(s) hold it")
-                    if (b.block_id in model) != (want_ref == 0):
-                        fail(f"{where}: block {b.block_id} is {'free' if b.block_id in model else 'held'} with "
-                             f"{want_ref} holder(s)")
-                if len(q) + len(holds) != n - 1:
-                    fail(f"{where}: {len(q)} free + {len(holds)} held blocks != num_blocks - 1 = {n - 1}")
-                for h, m in pool.cached_block_hash_to_block.items():
-                    for bid, b in m.items():
-                        if b.block_hash != h:
-                            fail(f"{where}: block {bid} is in the cache map under {h} but its hash is "
-                                 f"{b.block_hash!r}: a popped cached block must be evicted (evict_if_cached)")
+                    fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with {len(model)} free "
+                         "returned instead of raising ValueError")
+                if _pool_state(pool) != before:
+                    fail(f"{label} case {case} step {step}: the refused get_new_blocks(pool, {k}) changed the "
+                         f"pool: {diff(before, _pool_state(pool))}")
+                continue
+            elif op == "bad_free" and model:
+                b = pool.blocks[rng.choice(model)]
+                try:
+                    free_blocks(pool, [b])
+                except ValueError:
+                    pass
+                except Exception as exc:
+                    fail(f"{label} case {case} step {step}: free_blocks(pool, [block {b.block_id}]) on a free "
+                         f"block raised {type(exc).__name__}: {exc}, expected ValueError")
+                else:
+                    fail(f"{label} case {case} step {step}: free_blocks(pool, [block {b.block_id}]) on a free "
+                         "block (ref_cnt 0) returned instead of raising ValueError")
+                if _pool_state(pool) != before:
+                    fail(f"{label} case {case} step {step}: the refused free_blocks changed the pool: "
+                         f"{diff(before, _pool_state(pool))}")
+                continue
+            else:
+                continue
+            where = f"{label} case {case}, after {'; '.join(log[-5:])}"
+            q = queue(pool)
+            if q != model:
+                hint = ""
+                if sorted(q) == sorted(model):
+                    hint = (" (the right blocks in the wrong order: uncached blocks go to the head as a group in "
+                            "the order given; cached blocks to the tail)")
+                fail(f"{where}: the free queue is {q}, expected {model}{hint}")
+            holds = {}
+            for h in holders:
+                for b in h:
+                    holds[b.block_id] = holds.get(b.block_id, 0) + 1
+            for b in pool.blocks[1:]:
+                want_ref = holds.get(b.block_id, 0)
+                if b.ref_cnt != want_ref:
+                    fail(f"{where}: block {b.block_id} has ref_cnt {b.ref_cnt}, but {want_ref} holder(s) hold it")
+                if (b.block_id in model) != (want_ref == 0):
+                    fail(f"{where}: block {b.block_id} is {'free' if b.block_id in model else 'held'} with "
+                         f"{want_ref} holder(s)")
+            if len(q) + len(holds) != n - 1:
+                fail(f"{where}: {len(q)} free + {len(holds)} held blocks != num_blocks - 1 = {n - 1}")
+            for h, m in pool.cached_block_hash_to_block.items():
+                for bid, b in m.items():
+                    if b.block_hash != h:
+                        fail(f"{where}: block {bid} is in the cache map under {h} but its hash is "
+                             f"{b.block_hash!r}: a popped cached block must be evicted (evict_if_cached)")
 
-    machine(seed=42, cases=40, steps=60, sizes=[2, 5, 12], label="random")
+
+def check_pool_state_machine(get_new_blocks, free_blocks):
+    _pool_state_machine(get_new_blocks, free_blocks, seed=42, cases=40, steps=60, sizes=[2, 5, 12], label="random")
 
 
 def check_pool_state_machine_hidden(get_new_blocks, free_blocks):
-    require_function(get_new_blocks, "get_new_blocks")
-    require_function(free_blocks, "free_blocks")
-    for fn, name in ((get_new_blocks, "get_new_blocks"), (free_blocks, "free_blocks")):
-        if name in getattr(getattr(fn, "__code__", None), "co_names", ()):
-            fail(f"your {name} calls the library's {name}: write it with pool.free_block_queue instead")
-
-    def state(pool):
-        """Everything a call may change: queue order, ref counts, hashes and the cache map."""
-        return (
-            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            [b.ref_cnt for b in pool.blocks],
-            [b.block_hash for b in pool.blocks],
-            {h: sorted(m) for h, m in pool.cached_block_hash_to_block.items()},
-        )
-
-    def machine(seed, cases, steps, sizes, label):
-        """Random operation sequences against a model; the invariants are checked after every step."""
-        rng = random.Random(seed)
-        for case in range(cases):
-            n = rng.choice(sizes)
-            pool = BlockPool(n)
-            model = list(range(1, n))  # free queue, head first
-            holders = []  # each holder: the blocks it holds, in table order
-            next_hash = 0
-            log = []
-            for step in range(steps):
-                op = rng.choice(["alloc", "alloc", "free", "free", "share", "cache", "hit", "bad_alloc", "bad_free"])
-                before = state(pool)
-                if op == "alloc":
-                    k = rng.randrange(0, 5)
-                    if k > len(model):
-                        continue
-                    got = run(get_new_blocks, (pool, k), name="get_new_blocks")
-                    want = model[:k]
-                    if [getattr(b, "block_id", None) for b in (got or [])] != want or not isinstance(got, list):
-                        fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with free queue "
-                             f"{model} returned {describe(got)}, expected blocks {want}")
-                    model = model[k:]
-                    holders.append(got)
-                    log.append(f"get_new_blocks({k}) -> {want}")
-                    for b in got:
-                        cached = pool.cached_block_hash_to_block.values()
-                        if b.block_hash is not None or any(b.block_id in m for m in cached):
-                            fail(f"{label} case {case} step {step}: block {b.block_id} held a cached prefix and was "
-                                 "popped by get_new_blocks, but it was not evicted (hash still set or still in "
-                                 "the cache map): call evict_if_cached(pool, block) on every block you pop")
-                elif op == "free" and holders:
-                    blocks = holders.pop(rng.randrange(len(holders)))
-                    order = list(reversed(blocks))
-                    run(free_blocks, (pool, order), name="free_blocks")
-                    counts = {}
-                    for b in order:
-                        counts[b.block_id] = counts.get(b.block_id, 0) + 1
-                    remaining = {b.block_id for h in holders for b in h}
-                    back = []
-                    for b in order:
-                        if b.block_id not in remaining and b.block_id not in [x.block_id for x in back]:
-                            back.append(b)
-                    model = [b.block_id for b in back if b.block_hash is None] + model
-                    model += [b.block_id for b in back if b.block_hash is not None]
-                    log.append(f"free_blocks({[b.block_id for b in order]})")
-                elif op == "share" and holders:
-                    blocks = list(rng.choice(holders))
-                    pool.touch(blocks)
-                    holders.append(blocks)
-                    log.append(f"share {[b.block_id for b in blocks]}")
-                elif op == "cache" and holders:
-                    nonempty = [h for h in holders if h]
-                    if not nonempty:
-                        continue
-                    b = rng.choice(rng.choice(nonempty))
-                    if b.block_hash is not None:
-                        continue
-                    next_hash += 1
-                    cache(pool, b, next_hash)
-                    log.append(f"cache block {b.block_id}")
-                elif op == "hit":
-                    cached = [i for i in model if pool.blocks[i].block_hash is not None]
-                    if not cached:
-                        continue
-                    b = pool.blocks[rng.choice(cached)]
-                    pool.touch([b])
-                    model.remove(b.block_id)
-                    holders.append([b])
-                    log.append(f"cache hit on free block {b.block_id}")
-                elif op == "bad_alloc":
-                    k = len(model) + rng.randrange(1, 3)
-                    try:
-                        get_new_blocks(pool, k)
-                    except ValueError:
-                        pass
-                    except Exception as exc:
-                        fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with {len(model)} free "
-                             f"raised {type(exc).__name__}: {exc}, expected ValueError")
-                    else:
-                        fail(f"{label} case {case} step {step}: get_new_blocks(pool, {k}) with {len(model)} free "
-                             "returned instead of raising ValueError")
-                    if state(pool) != before:
-                        fail(f"{label} case {case} step {step}: the refused get_new_blocks(pool, {k}) changed the "
-                             f"pool: {diff(before, state(pool))}")
-                    continue
-                elif op == "bad_free" and model:
-                    b = pool.blocks[rng.choice(model)]
-                    try:
-                        free_blocks(pool, [b])
-                    except ValueError:
-                        pass
-                    except Exception as exc:
-                        fail(f"{label} case {case} step {step}: free_blocks(pool, [block {b.block_id}]) on a free "
-                             f"block raised {type(exc).__name__}: {exc}, expected ValueError")
-                    else:
-                        fail(f"{label} case {case} step {step}: free_blocks(pool, [block {b.block_id}]) on a free "
-                             "block (ref_cnt 0) returned instead of raising ValueError")
-                    if state(pool) != before:
-                        fail(f"{label} case {case} step {step}: the refused free_blocks changed the pool: "
-                             f"{diff(before, state(pool))}")
-                    continue
-                else:
-                    continue
-                where = f"{label} case {case}, after {'; '.join(log[-5:])}"
-                q = queue(pool)
-                if q != model:
-                    hint = ""
-                    if sorted(q) == sorted(model):
-                        hint = (" (the right blocks in the wrong order: uncached blocks go to the head as a group in "
-                                "the order given; cached blocks to the tail)")
-                    fail(f"{where}: the free queue is {q}, expected {model}{hint}")
-                holds = {}
-                for h in holders:
-                    for b in h:
-                        holds[b.block_id] = holds.get(b.block_id, 0) + 1
-                for b in pool.blocks[1:]:
-                    want_ref = holds.get(b.block_id, 0)
-                    if b.ref_cnt != want_ref:
-                        fail(f"{where}: block {b.block_id} has ref_cnt {b.ref_cnt}, but {want_ref} holder(s) hold it")
-                    if (b.block_id in model) != (want_ref == 0):
-                        fail(f"{where}: block {b.block_id} is {'free' if b.block_id in model else 'held'} with "
-                             f"{want_ref} holder(s)")
-                if len(q) + len(holds) != n - 1:
-                    fail(f"{where}: {len(q)} free + {len(holds)} held blocks != num_blocks - 1 = {n - 1}")
-                for h, m in pool.cached_block_hash_to_block.items():
-                    for bid, b in m.items():
-                        if b.block_hash != h:
-                            fail(f"{where}: block {bid} is in the cache map under {h} but its hash is "
-                                 f"{b.block_hash!r}: a popped cached block must be evicted (evict_if_cached)")
-
-    machine(seed=60606, cases=40, steps=250, sizes=[3, 17, 64], label="hidden random")
+    _pool_state_machine(get_new_blocks, free_blocks, seed=60606, cases=40, steps=250, sizes=[3, 17, 64],
+                        label="hidden random")
 
 
-def check_allocate_slots_examples(allocate_slots):
+def _allocate_slots_grow(allocate_slots):
+    """grow(manager, req, computed, new, label): the learner's allocate_slots, checked against the model."""
     require_function(allocate_slots, "allocate_slots")
     if "allocate_slots" in getattr(getattr(allocate_slots, "__code__", None), "co_names", ()):
         fail("your allocate_slots calls the library's KVCacheManager.allocate_slots: write it yourself")
@@ -854,6 +639,55 @@ def check_allocate_slots_examples(allocate_slots):
         if got_ids != free[:missing]:
             fail(f"{call} returned blocks {got_ids}, expected the new blocks {free[:missing]}")
         return got
+
+    return grow
+
+
+def _allocate_slots_lifecycle(allocate_slots, seed, cases, label, sizes, block_sizes):
+    """Requests admitted, grown by prefill chunks and decode steps, and finished, in random order."""
+    grow = _allocate_slots_grow(allocate_slots)
+    rng = random.Random(seed)
+    for case in range(cases):
+        bs = rng.choice(block_sizes)
+        n = rng.choice(sizes)
+        manager = KVCacheManager(num_blocks=n, block_size=bs, enable_caching=False)
+        live = {}  # request id -> request
+        for step in range(60):
+            op = rng.choice(["new", "grow", "grow", "grow", "finish"])
+            if op == "new":
+                rid = f"r{case}.{step}"
+                req = Request(rid, [1] * rng.randrange(1, 4 * bs))
+                # the whole prompt or a chunk
+                first = rng.choice([req.num_tokens, rng.randrange(1, req.num_tokens + 1)])
+                if grow(manager, req, 0, first, f"{label} case {case}") is not None:
+                    live[rid] = req
+            elif op == "grow" and live:
+                rid = rng.choice(sorted(live))
+                req = live[rid]
+                table = len(manager.req_to_blocks.get(rid, []))
+                computed = rng.randrange(max(0, table * bs - bs), table * bs + 1)
+                new = rng.choice([1, 1, 1, rng.randrange(0, 3 * bs)])
+                grow(manager, req, computed, new, f"{label} case {case}")
+            elif op == "finish" and live:
+                rid = rng.choice(sorted(live))
+                req = live.pop(rid)
+                if rid in manager.req_to_blocks:
+                    manager.free(req)
+            pool = manager.block_pool
+            held = [b.block_id for t in manager.req_to_blocks.values() for b in t]
+            if len(held) != len(set(held)):
+                fail(f"{label} case {case} step {step}: a block is in two tables at once: {tables(manager)}")
+            if pool.get_num_free_blocks() + len(held) != n - 1:
+                fail(f"{label} case {case} step {step}: {pool.get_num_free_blocks()} free + {len(held)} held "
+                     f"!= num_blocks - 1 = {n - 1}")
+            for b in pool.blocks[1:]:
+                if b.ref_cnt != (1 if b.block_id in held else 0):
+                    fail(f"{label} case {case} step {step}: block {b.block_id} has ref_cnt {b.ref_cnt}")
+
+
+
+def check_allocate_slots_examples(allocate_slots):
+    grow = _allocate_slots_grow(allocate_slots)
 
     manager = KVCacheManager(num_blocks=6, block_size=16, enable_caching=False)
     a = Request("A", list(range(17)))
@@ -870,212 +704,25 @@ def check_allocate_slots_examples(allocate_slots):
     grow(manager, b, 32, 8, "the rest once A has finished and freed its 3 blocks")
     expect_raises(ValueError, allocate_slots, (manager, b, -1), name="allocate_slots", why="a negative token count")
 
-
 def check_allocate_slots_random(allocate_slots):
-    require_function(allocate_slots, "allocate_slots")
-    if "allocate_slots" in getattr(getattr(allocate_slots, "__code__", None), "co_names", ()):
-        fail("your allocate_slots calls the library's KVCacheManager.allocate_slots: write it yourself")
-
-    def state(manager):
-        pool = manager.block_pool
-        return (tables(manager), [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-                [b.ref_cnt for b in pool.blocks])
-
-    def grow(manager, req, computed, new, label):
-        """allocate_slots(manager, req, new) at `computed` computed tokens, checked against the model."""
-        req.num_computed_tokens = computed
-        bs = manager.block_size
-        table = [b.block_id for b in manager.req_to_blocks.get(req.request_id, [])]
-        need = -(-(computed + new) // bs)
-        missing = max(0, need - len(table))
-        free = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
-        before = state(manager)
-        got = run(allocate_slots, (manager, req, new), name="allocate_slots")
-        call = (f"{label}: allocate_slots(manager, request {req.request_id!r}, {new}) at {computed} computed tokens "
-                f"(block_size {bs}, table of {len(table)} blocks, {len(free)} free)")
-        if missing > len(free):
-            if got is not None:
-                fail(f"{call} returned {describe(got)}, expected None: {missing} more block(s) needed, "
-                     f"{len(free)} free")
-            if state(manager) != before:
-                fail(f"{call} returned None but changed the manager first (tables {tables(manager)}, was {before[0]}):"
-                     " check the free count before taking any block")
-            return None
-        if got is None:
-            hint = ". Is allocate_slots still the stub (...), or is a `return` missing?"
-            if table and need > len(free) >= missing:
-                hint = (f". Hint: the table already has {len(table)} block(s), so only {missing} are missing "
-                        f"(not {need}), and {len(free)} are free")
-            fail(f"{call} returned None, expected {missing} new block(s): {len(free)} are free{hint}")
-        if not isinstance(got, list):
-            fail(f"{call} returned {describe(got)}, expected a list of the new blocks")
-        got_ids = [getattr(b, "block_id", None) for b in got]
-        now = [b.block_id for b in manager.req_to_blocks.get(req.request_id, [])]
-        if len(now) != len(table) + missing:
-            hint = ""
-            if len(now) == (computed + new) // bs and (computed + new) % bs:
-                hint = (f" Hint: {computed + new} tokens in blocks of {bs} need ceil({computed + new} / {bs}) = {need}"
-                        " blocks: round up, the last block may be partly filled")
-            elif len(now) == len(table) + need:
-                hint = (f" Hint: the table already had {len(table)} block(s); only {missing} more "
-                        f"{'is' if missing == 1 else 'are'} needed, not {need}")
-            fail(f"{call}: the table now has {len(now)} blocks ({now}), expected {len(table) + missing} "
-                 f"for {computed + new} tokens.{hint}")
-        if now != table + free[:missing]:
-            fail(f"{call}: the table is {now}, expected {table + free[:missing]} (the old table, then the blocks "
-                 "popped from the head of the free queue)")
-        if got_ids != free[:missing]:
-            fail(f"{call} returned blocks {got_ids}, expected the new blocks {free[:missing]}")
-        return got
-
-    def lifecycle(seed, cases, label, sizes, block_sizes):
-        """Requests admitted, grown by prefill chunks and decode steps, and finished, in random order."""
-        rng = random.Random(seed)
-        for case in range(cases):
-            bs = rng.choice(block_sizes)
-            n = rng.choice(sizes)
-            manager = KVCacheManager(num_blocks=n, block_size=bs, enable_caching=False)
-            live = {}  # request id -> request
-            for step in range(60):
-                op = rng.choice(["new", "grow", "grow", "grow", "finish"])
-                if op == "new":
-                    rid = f"r{case}.{step}"
-                    req = Request(rid, [1] * rng.randrange(1, 4 * bs))
-                    # the whole prompt or a chunk
-                    first = rng.choice([req.num_tokens, rng.randrange(1, req.num_tokens + 1)])
-                    if grow(manager, req, 0, first, f"{label} case {case}") is not None:
-                        live[rid] = req
-                elif op == "grow" and live:
-                    rid = rng.choice(sorted(live))
-                    req = live[rid]
-                    table = len(manager.req_to_blocks.get(rid, []))
-                    computed = rng.randrange(max(0, table * bs - bs), table * bs + 1)
-                    new = rng.choice([1, 1, 1, rng.randrange(0, 3 * bs)])
-                    grow(manager, req, computed, new, f"{label} case {case}")
-                elif op == "finish" and live:
-                    rid = rng.choice(sorted(live))
-                    req = live.pop(rid)
-                    if rid in manager.req_to_blocks:
-                        manager.free(req)
-                pool = manager.block_pool
-                held = [b.block_id for t in manager.req_to_blocks.values() for b in t]
-                if len(held) != len(set(held)):
-                    fail(f"{label} case {case} step {step}: a block is in two tables at once: {tables(manager)}")
-                if pool.get_num_free_blocks() + len(held) != n - 1:
-                    fail(f"{label} case {case} step {step}: {pool.get_num_free_blocks()} free + {len(held)} held "
-                         f"!= num_blocks - 1 = {n - 1}")
-                for b in pool.blocks[1:]:
-                    if b.ref_cnt != (1 if b.block_id in held else 0):
-                        fail(f"{label} case {case} step {step}: block {b.block_id} has ref_cnt {b.ref_cnt}")
-
-    lifecycle(seed=77, cases=40, label="random", sizes=[3, 6, 20], block_sizes=[1, 2, 4, 16])
+    _allocate_slots_lifecycle(allocate_slots, seed=77, cases=40, label="random", sizes=[3, 6, 20],
+                              block_sizes=[1, 2, 4, 16])
 
 
 def check_allocate_slots_hidden(allocate_slots):
-    require_function(allocate_slots, "allocate_slots")
-    if "allocate_slots" in getattr(getattr(allocate_slots, "__code__", None), "co_names", ()):
-        fail("your allocate_slots calls the library's KVCacheManager.allocate_slots: write it yourself")
-
-    def state(manager):
-        pool = manager.block_pool
-        return (tables(manager), [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-                [b.ref_cnt for b in pool.blocks])
-
-    def grow(manager, req, computed, new, label):
-        """allocate_slots(manager, req, new) at `computed` computed tokens, checked against the model."""
-        req.num_computed_tokens = computed
-        bs = manager.block_size
-        table = [b.block_id for b in manager.req_to_blocks.get(req.request_id, [])]
-        need = -(-(computed + new) // bs)
-        missing = max(0, need - len(table))
-        free = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
-        before = state(manager)
-        got = run(allocate_slots, (manager, req, new), name="allocate_slots")
-        call = (f"{label}: allocate_slots(manager, request {req.request_id!r}, {new}) at {computed} computed tokens "
-                f"(block_size {bs}, table of {len(table)} blocks, {len(free)} free)")
-        if missing > len(free):
-            if got is not None:
-                fail(f"{call} returned {describe(got)}, expected None: {missing} more block(s) needed, "
-                     f"{len(free)} free")
-            if state(manager) != before:
-                fail(f"{call} returned None but changed the manager first (tables {tables(manager)}, was {before[0]}):"
-                     " check the free count before taking any block")
-            return None
-        if got is None:
-            hint = ". Is allocate_slots still the stub (...), or is a `return` missing?"
-            if table and need > len(free) >= missing:
-                hint = (f". Hint: the table already has {len(table)} block(s), so only {missing} are missing "
-                        f"(not {need}), and {len(free)} are free")
-            fail(f"{call} returned None, expected {missing} new block(s): {len(free)} are free{hint}")
-        if not isinstance(got, list):
-            fail(f"{call} returned {describe(got)}, expected a list of the new blocks")
-        got_ids = [getattr(b, "block_id", None) for b in got]
-        now = [b.block_id for b in manager.req_to_blocks.get(req.request_id, [])]
-        if len(now) != len(table) + missing:
-            hint = ""
-            if len(now) == (computed + new) // bs and (computed + new) % bs:
-                hint = (f" Hint: {computed + new} tokens in blocks of {bs} need ceil({computed + new} / {bs}) = {need}"
-                        " blocks: round up, the last block may be partly filled")
-            elif len(now) == len(table) + need:
-                hint = (f" Hint: the table already had {len(table)} block(s); only {missing} more "
-                        f"{'is' if missing == 1 else 'are'} needed, not {need}")
-            fail(f"{call}: the table now has {len(now)} blocks ({now}), expected {len(table) + missing} "
-                 f"for {computed + new} tokens.{hint}")
-        if now != table + free[:missing]:
-            fail(f"{call}: the table is {now}, expected {table + free[:missing]} (the old table, then the blocks "
-                 "popped from the head of the free queue)")
-        if got_ids != free[:missing]:
-            fail(f"{call} returned blocks {got_ids}, expected the new blocks {free[:missing]}")
-        return got
-
-    def lifecycle(seed, cases, label, sizes, block_sizes):
-        """Requests admitted, grown by prefill chunks and decode steps, and finished, in random order."""
-        rng = random.Random(seed)
-        for case in range(cases):
-            bs = rng.choice(block_sizes)
-            n = rng.choice(sizes)
-            manager = KVCacheManager(num_blocks=n, block_size=bs, enable_caching=False)
-            live = {}  # request id -> request
-            for step in range(60):
-                op = rng.choice(["new", "grow", "grow", "grow", "finish"])
-                if op == "new":
-                    rid = f"r{case}.{step}"
-                    req = Request(rid, [1] * rng.randrange(1, 4 * bs))
-                    # the whole prompt or a chunk
-                    first = rng.choice([req.num_tokens, rng.randrange(1, req.num_tokens + 1)])
-                    if grow(manager, req, 0, first, f"{label} case {case}") is not None:
-                        live[rid] = req
-                elif op == "grow" and live:
-                    rid = rng.choice(sorted(live))
-                    req = live[rid]
-                    table = len(manager.req_to_blocks.get(rid, []))
-                    computed = rng.randrange(max(0, table * bs - bs), table * bs + 1)
-                    new = rng.choice([1, 1, 1, rng.randrange(0, 3 * bs)])
-                    grow(manager, req, computed, new, f"{label} case {case}")
-                elif op == "finish" and live:
-                    rid = rng.choice(sorted(live))
-                    req = live.pop(rid)
-                    if rid in manager.req_to_blocks:
-                        manager.free(req)
-                pool = manager.block_pool
-                held = [b.block_id for t in manager.req_to_blocks.values() for b in t]
-                if len(held) != len(set(held)):
-                    fail(f"{label} case {case} step {step}: a block is in two tables at once: {tables(manager)}")
-                if pool.get_num_free_blocks() + len(held) != n - 1:
-                    fail(f"{label} case {case} step {step}: {pool.get_num_free_blocks()} free + {len(held)} held "
-                         f"!= num_blocks - 1 = {n - 1}")
-                for b in pool.blocks[1:]:
-                    if b.ref_cnt != (1 if b.block_id in held else 0):
-                        fail(f"{label} case {case} step {step}: block {b.block_id} has ref_cnt {b.ref_cnt}")
-
-    lifecycle(seed=31415, cases=30, label="hidden random", sizes=[2, 9, 50], block_sizes=[1, 3, 8, 16, 32])
+    _allocate_slots_lifecycle(allocate_slots, seed=31415, cases=30, label="hidden random", sizes=[2, 9, 50],
+                              block_sizes=[1, 3, 8, 16, 32])
 
 
-def check_slot_mapping_examples(slot_mapping):
+def _require_own_slot_mapping(slot_mapping):
     require_function(slot_mapping, "slot_mapping")
     names = getattr(getattr(slot_mapping, "__code__", None), "co_names", ())
     if "compute_slot_mapping" in names or "get_slot_mapping" in names:
         fail("your slot_mapping calls the library's compute_slot_mapping: write it yourself")
+
+
+def check_slot_mapping_examples(slot_mapping):
+    _require_own_slot_mapping(slot_mapping)
 
     cases = [
         ([7, 2], list(range(6)), 4),
@@ -1097,10 +744,7 @@ def check_slot_mapping_examples(slot_mapping):
 
 
 def check_slot_mapping_hidden(slot_mapping):
-    require_function(slot_mapping, "slot_mapping")
-    names = getattr(getattr(slot_mapping, "__code__", None), "co_names", ())
-    if "compute_slot_mapping" in names or "get_slot_mapping" in names:
-        fail("your slot_mapping calls the library's compute_slot_mapping: write it yourself")
+    _require_own_slot_mapping(slot_mapping)
 
     rng = random.Random(271828)
     for _ in range(300):
