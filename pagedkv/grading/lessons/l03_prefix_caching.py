@@ -276,7 +276,8 @@ def check_hash_chain_hidden(hash_chain):
         _expect_chain(hash_chain, toks, bs, fn, extra)
 
 
-def check_lookup_examples(PrefixCachingKVCacheManager):
+def _learner_manager(PrefixCachingKVCacheManager):
+    """The learner's PrefixCachingKVCacheManager: defined, a KVCacheManager, with its own lookup and caching."""
     Learner = PrefixCachingKVCacheManager
     if Learner is None:
         fail("PrefixCachingKVCacheManager is not defined: run the cell that defines it (and the cells above) first")
@@ -286,78 +287,193 @@ def check_lookup_examples(PrefixCachingKVCacheManager):
         fn = getattr(Learner, meth)
         if (getattr(fn, "__module__", "") or "").startswith("pagedkv."):
             fail(f"PrefixCachingKVCacheManager.{meth} is the library's: define it in your class")
+    return Learner
 
-    def lookup(m, r, what):
-        """Your get_computed_blocks, as (block ids, tokens); the pool must not change."""
-        before = m.snapshot()
-        stats_before = (m.prefix_cache_stats.requests, m.prefix_cache_stats.queries, m.prefix_cache_stats.hits)
-        with forbid(KVCacheManager, "get_computed_blocks"):
-            got = attempt(m.get_computed_blocks, (r,), f"get_computed_blocks({what})")
-        if got is None:
-            fail(f"get_computed_blocks({what}) returned None. Is it still the stub (...), or is a `return` missing?")
-        if not (isinstance(got, tuple) and len(got) == 2):
-            fail(f"get_computed_blocks({what}) returned {describe(got)}, expected a tuple (blocks, "
-                 "num_computed_tokens)")
-        blocks, n = got
-        if not isinstance(blocks, list) or any(m.block_pool.blocks[getattr(b, "block_id", 0)] is not b for b in blocks):
-            fail(f"get_computed_blocks({what}) returned {describe(blocks)} as its blocks: expected a list of the "
-                 "pool's KVCacheBlock objects (from self.block_pool.get_cached_block)")
-        after = m.snapshot()
-        for key in ("blocks", "free_queue", "block_tables"):
-            if before[key] != after[key]:
-                changed = ""
-                if key == "blocks":
-                    for x, y in zip(before["blocks"], after["blocks"], strict=True):
-                        if x != y:
-                            what_changed = ", ".join(f"{k} {x[k]!r} -> {y[k]!r}" for k in x if x[k] != y.get(k))
-                            changed = f" (block {x['block_id']}: {what_changed})"
-                            break
-                fail(f"get_computed_blocks({what}) changed the pool's {key}{changed}: a lookup only finds the "
-                     "blocks; allocate_slots takes them (touch)")
-        return ids(blocks), n, stats_before
 
-    def make(cls, *args, **kwargs):
-        return run(cls, args, kwargs, name=cls.__name__)
+def _make_manager(cls, *args, **kwargs):
+    return run(cls, args, kwargs, name=cls.__name__)
 
-    def attempt(fn, args, what):
-        try:
-            with time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            fail(f"{what} raised {type(exc).__name__}: {exc}")
+
+def _attempt(fn, args, what):
+    try:
+        with time_limit(5, what):
+            return fn(*args)
+    except CallTimeout:
+        fail(f"{what} did not return within 5 s: is there an infinite loop?")
+    except Exception as exc:  # noqa: BLE001
+        fail(f"{what} raised {type(exc).__name__}: {exc}")
+
+
+def _lookup(m, r, what):
+    """Your get_computed_blocks, as (block ids, tokens); the pool must not change."""
+    before = m.snapshot()
+    stats_before = (m.prefix_cache_stats.requests, m.prefix_cache_stats.queries, m.prefix_cache_stats.hits)
+    with forbid(KVCacheManager, "get_computed_blocks"):
+        got = _attempt(m.get_computed_blocks, (r,), f"get_computed_blocks({what})")
+    if got is None:
+        fail(f"get_computed_blocks({what}) returned None. Is it still the stub (...), or is a `return` missing?")
+    if not (isinstance(got, tuple) and len(got) == 2):
+        fail(f"get_computed_blocks({what}) returned {describe(got)}, expected a tuple (blocks, "
+             "num_computed_tokens)")
+    blocks, n = got
+    if not isinstance(blocks, list) or any(m.block_pool.blocks[getattr(b, "block_id", 0)] is not b for b in blocks):
+        fail(f"get_computed_blocks({what}) returned {describe(blocks)} as its blocks: expected a list of the "
+             "pool's KVCacheBlock objects (from self.block_pool.get_cached_block)")
+    after = m.snapshot()
+    for key in ("blocks", "free_queue", "block_tables"):
+        if before[key] != after[key]:
+            changed = ""
+            if key == "blocks":
+                for x, y in zip(before["blocks"], after["blocks"], strict=True):
+                    if x != y:
+                        what_changed = ", ".join(f"{k} {x[k]!r} -> {y[k]!r}" for k in x if x[k] != y.get(k))
+                        changed = f" (block {x['block_id']}: {what_changed})"
+                        break
+            fail(f"get_computed_blocks({what}) changed the pool's {key}{changed}: a lookup only finds the "
+                 "blocks; allocate_slots takes them (touch)")
+    return ids(blocks), n, stats_before
+
+
+def _expect_hit(m, r, want_ids, want_n, what, hint=None):
+    got_ids, n, _ = _lookup(m, r, what)
+    if (got_ids, n) != (want_ids, want_n):
+        msg = (f"get_computed_blocks({what}) found blocks {got_ids} ({describe(n)} tokens), expected "
+               f"{want_ids} ({want_n} tokens)")
+        text = hint(got_ids, n) if callable(hint) else hint
+        fail(msg + (f". {text}" if text else ""))
+
+
+def _allocate_caching(m, r, n, hits=None, what=""):
+    label = what or f"allocate_slots({r.request_id!r}, {n})"
+    try:
+        with forbid(KVCacheManager, "_cache_blocks"):
+            return _attempt(m.allocate_slots, (r, n, hits), label)
+    except AssertionError as exc:
+        text = str(exc)
+        if "IndexError" in text:
+            text += (". Cache the blocks that are full once num_tokens tokens are computed: in a chunked "
+                     "prefill that "
+                     "is fewer than the request's tokens (and fewer than its table might suggest)")
+        if "block hashes" in text:
+            text += (". request.block_hashes only has the full blocks' hashes: a partly filled block is never "
+                     "cached, so cache num_tokens // block_size blocks")
+        raise AssertionError(text) from None
+
+
+def _learner_pool(EvictingBlockPool):
+    """The learner's EvictingBlockPool: defined, a BlockPool, with its own free_blocks and get_new_blocks."""
+    Learner = EvictingBlockPool
+    if Learner is None:
+        fail("EvictingBlockPool is not defined: run the cell that defines it (and the cells above) first")
+    if not (isinstance(Learner, type) and issubclass(Learner, BlockPool)):
+        fail(f"EvictingBlockPool should be a subclass of BlockPool, got {describe(Learner)}")
+    for meth in ("free_blocks", "get_new_blocks"):
+        if (getattr(getattr(Learner, meth), "__module__", "") or "").startswith("pagedkv."):
+            fail(f"EvictingBlockPool.{meth} is the library's: define it in your class")
+    return Learner
+
+
+def _attempt_on_pool(fn, args, what, refuse_library=True):
+    try:
+        with forbid_library() if refuse_library else contextlib.nullcontext(), time_limit(5, what):
+            return fn(*args)
+    except CallTimeout:
+        fail(f"{what} did not return within 5 s: is there an infinite loop?")
+    except Exception as exc:  # noqa: BLE001
+        stub = " (is one of your methods still the stub, returning None?)" if "NoneType" in str(exc) else ""
+        fail(f"{what} raised {type(exc).__name__}: {exc}{stub}")
+
+
+def _call(pool, meth, arg, what):
+    return _attempt_on_pool(getattr(pool, meth), (arg,), what)
+
+
+def _make_pool(cls, n):
+    return run(cls, (n,), name=cls.__name__)
+
+
+def _cow_manager(copy_on_write):
+    """A KVCacheManager that calls the learner's copy_on_write before a running request's allocate_slots."""
+    class CoW(KVCacheManager):
+        def _blocks_written(self, request, blocks, num_new_tokens):
+            return []
+
+        def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None):
+            if request.request_id in self.req_to_blocks and not new_computed_blocks:
+                run(copy_on_write, (self, request, num_new_tokens),
+                    name=f"copy_on_write(manager, {request.request_id!r}, {num_new_tokens})")
+            return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
+
+    return CoW
+
+
+class _World:
+    """A manager (yours or the library's) and its shadow cache: each slot holds the token written there."""
+
+    def __init__(self, cls, num_blocks, bs):
+        self.m = cls(num_blocks, bs)
+        self.shadow = ShadowKVCache(num_blocks, bs)
+        self.reqs = {}
+        self.copies = []
+
+    def prefill(self, rid, tokens, extra_slots=0):
+        r = Request(rid, tokens)
+        self.reqs[rid] = r
+        self.m.allocate_slots(r, len(tokens) + extra_slots)
+        self.shadow.write(self.m.get_slot_mapping(rid, 0, len(tokens)), tokens)
+        r.num_computed_tokens = len(tokens)
+
+    def fork(self, parent, child):
+        p = self.reqs[parent]
+        c = Request(child, p.prompt_token_ids)
+        c.append_output_token_ids(p.output_token_ids)
+        self.reqs[child] = c
+        self.m.fork(p, c)
+
+    def write(self, rid, tokens):
+        """rid appends tokens and computes them (their KV is written at their slots)."""
+        r = self.reqs[rid]
+        start = r.num_computed_tokens
+        r.append_output_token_ids(tokens)
+        if self.m.allocate_slots(r, len(tokens)) is None:
+            fail("the pool ran out of blocks (more copies than expected?)")
+        pairs = self.m.get_pending_copies()
+        self.copies += pairs
+        self.shadow.copy_blocks(pairs)
+        self.shadow.write(self.m.get_slot_mapping(rid, start, start + len(tokens)), tokens)
+        r.num_computed_tokens += len(tokens)
+        return pairs
+
+    def read(self, rid):
+        r = self.reqs[rid]
+        return self.shadow.read(self.m.get_block_ids(rid), r.num_computed_tokens)
+
+
+def check_lookup_examples(PrefixCachingKVCacheManager):
+    Learner = _learner_manager(PrefixCachingKVCacheManager)
 
     # Lookups use your get_computed_blocks; caching uses the library's _cache_blocks.
     LookupOnly = type("LookupOnly", (Learner,), {"_cache_blocks": KVCacheManager._cache_blocks})
 
-    def expect_hit(m, r, want_ids, want_n, what, hint=None):
-        got_ids, n, _ = lookup(m, r, what)
-        if (got_ids, n) != (want_ids, want_n):
-            msg = (f"get_computed_blocks({what}) found blocks {got_ids} ({describe(n)} tokens), expected "
-                   f"{want_ids} ({want_n} tokens)")
-            text = hint(got_ids, n) if callable(hint) else hint
-            fail(msg + (f". {text}" if text else ""))
-
-    m = make(LookupOnly, 32, 4)
+    m = _make_manager(LookupOnly, 32, 4)
     a = Request("a", list(range(18)))  # 4 full blocks of 4 and 2 tokens over
     m.allocate_slots(a, 18)
     a_ids = m.get_block_ids("a")
 
-    expect_hit(m, Request("b", list(range(18)) + [90, 91, 92]), a_ids[:4], 16,
-               "b = a's 18 tokens + 3 more (a's 4 full blocks are cached)")
-    expect_hit(m, Request("c", list(range(16))), a_ids[:3], 12, "c = a's first 16 tokens (all 4 blocks cached)",
-               hint=lambda got, n: ("every token of c is cached, but the last token must still be computed (its "
-                                    "forward pass samples the next token): a full hit is cut back by one block, so "
-                                    "look at most at the first (num_tokens - 1) // block_size blocks")
-               if got == a_ids[:4] else None)
-    expect_hit(m, Request("d", list(range(17))), a_ids[:4], 16, "d = a's first 17 tokens",
-               hint=lambda got, n: ("d's 17th token is not in a full block, so all 4 full blocks are usable: cut "
-                                    "back only when the hit would cover every token") if got == a_ids[:3] else None)
-    expect_hit(m, Request("e", [999] + list(range(1, 18))), [], 0, "e: a's tokens with another first token")
-    expect_hit(m, Request("f", list(range(4)) + [77, 78, 79, 80] + list(range(8, 18))), a_ids[:1], 4,
-               "f: a's tokens with block 1 changed")
-    expect_hit(m, Request("g", [5]), [], 0, "g: a single token")
+    _expect_hit(m, Request("b", list(range(18)) + [90, 91, 92]), a_ids[:4], 16,
+                "b = a's 18 tokens + 3 more (a's 4 full blocks are cached)")
+    _expect_hit(m, Request("c", list(range(16))), a_ids[:3], 12, "c = a's first 16 tokens (all 4 blocks cached)",
+                hint=lambda got, n: ("every token of c is cached, but the last token must still be computed (its "
+                                     "forward pass samples the next token): a full hit is cut back by one block, so "
+                                     "look at most at the first (num_tokens - 1) // block_size blocks")
+                if got == a_ids[:4] else None)
+    _expect_hit(m, Request("d", list(range(17))), a_ids[:4], 16, "d = a's first 17 tokens",
+                hint=lambda got, n: ("d's 17th token is not in a full block, so all 4 full blocks are usable: cut "
+                                     "back only when the hit would cover every token") if got == a_ids[:3] else None)
+    _expect_hit(m, Request("e", [999] + list(range(1, 18))), [], 0, "e: a's tokens with another first token")
+    _expect_hit(m, Request("f", list(range(4)) + [77, 78, 79, 80] + list(range(8, 18))), a_ids[:1], 4,
+                "f: a's tokens with block 1 changed")
+    _expect_hit(m, Request("g", [5]), [], 0, "g: a single token")
 
     # a middle block evicted: the hit stops there
     m.free(a)
@@ -366,83 +482,26 @@ def check_lookup_examples(PrefixCachingKVCacheManager):
     pool.free_block_queue.remove(middle)
     pool._maybe_evict_cached_block(middle)
     pool.free_block_queue.appendleft(middle)
-    expect_hit(m, Request("h", list(range(18))), a_ids[:1], 4,
-               "h = a's tokens, after a finished and a's block 1 was evicted",
-               hint=lambda got, n: ("block 1's hash is no longer cached: stop at the first miss. Blocks 2 and 3 "
-                                    "are still cached, but without block 1's KV they are useless")
-               if len(got) > 1 else None)
+    _expect_hit(m, Request("h", list(range(18))), a_ids[:1], 4,
+                "h = a's tokens, after a finished and a's block 1 was evicted",
+                hint=lambda got, n: ("block 1's hash is no longer cached: stop at the first miss. Blocks 2 and 3 "
+                                     "are still cached, but without block 1's KV they are useless")
+                if len(got) > 1 else None)
 
-    off = make(LookupOnly, 32, 4, enable_caching=False)
+    off = _make_manager(LookupOnly, 32, 4, enable_caching=False)
     x = Request("x", list(range(18)))
     off.allocate_slots(x, 18)
-    expect_hit(off, Request("y", list(range(18))), [], 0, "y, on a manager with enable_caching=False")
+    _expect_hit(off, Request("y", list(range(18))), [], 0, "y, on a manager with enable_caching=False")
 
 
 def check_lookup_outputs_and_stats(PrefixCachingKVCacheManager):
-    Learner = PrefixCachingKVCacheManager
-    if Learner is None:
-        fail("PrefixCachingKVCacheManager is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, KVCacheManager)):
-        fail(f"PrefixCachingKVCacheManager should be a subclass of KVCacheManager, got {describe(Learner)}")
-    for meth in ("get_computed_blocks", "_cache_blocks"):
-        fn = getattr(Learner, meth)
-        if (getattr(fn, "__module__", "") or "").startswith("pagedkv."):
-            fail(f"PrefixCachingKVCacheManager.{meth} is the library's: define it in your class")
-
-    def lookup(m, r, what):
-        """Your get_computed_blocks, as (block ids, tokens); the pool must not change."""
-        before = m.snapshot()
-        stats_before = (m.prefix_cache_stats.requests, m.prefix_cache_stats.queries, m.prefix_cache_stats.hits)
-        with forbid(KVCacheManager, "get_computed_blocks"):
-            got = attempt(m.get_computed_blocks, (r,), f"get_computed_blocks({what})")
-        if got is None:
-            fail(f"get_computed_blocks({what}) returned None. Is it still the stub (...), or is a `return` missing?")
-        if not (isinstance(got, tuple) and len(got) == 2):
-            fail(f"get_computed_blocks({what}) returned {describe(got)}, expected a tuple (blocks, "
-                 "num_computed_tokens)")
-        blocks, n = got
-        if not isinstance(blocks, list) or any(m.block_pool.blocks[getattr(b, "block_id", 0)] is not b for b in blocks):
-            fail(f"get_computed_blocks({what}) returned {describe(blocks)} as its blocks: expected a list of the "
-                 "pool's KVCacheBlock objects (from self.block_pool.get_cached_block)")
-        after = m.snapshot()
-        for key in ("blocks", "free_queue", "block_tables"):
-            if before[key] != after[key]:
-                changed = ""
-                if key == "blocks":
-                    for x, y in zip(before["blocks"], after["blocks"], strict=True):
-                        if x != y:
-                            what_changed = ", ".join(f"{k} {x[k]!r} -> {y[k]!r}" for k in x if x[k] != y.get(k))
-                            changed = f" (block {x['block_id']}: {what_changed})"
-                            break
-                fail(f"get_computed_blocks({what}) changed the pool's {key}{changed}: a lookup only finds the "
-                     "blocks; allocate_slots takes them (touch)")
-        return ids(blocks), n, stats_before
-
-    def make(cls, *args, **kwargs):
-        return run(cls, args, kwargs, name=cls.__name__)
-
-    def attempt(fn, args, what):
-        try:
-            with time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            fail(f"{what} raised {type(exc).__name__}: {exc}")
+    Learner = _learner_manager(PrefixCachingKVCacheManager)
 
     # Lookups use your get_computed_blocks; caching uses the library's _cache_blocks.
     LookupOnly = type("LookupOnly", (Learner,), {"_cache_blocks": KVCacheManager._cache_blocks})
 
-    def expect_hit(m, r, want_ids, want_n, what, hint=None):
-        got_ids, n, _ = lookup(m, r, what)
-        if (got_ids, n) != (want_ids, want_n):
-            msg = (f"get_computed_blocks({what}) found blocks {got_ids} ({describe(n)} tokens), expected "
-                   f"{want_ids} ({want_n} tokens)")
-            text = hint(got_ids, n) if callable(hint) else hint
-            fail(msg + (f". {text}" if text else ""))
-
     ref = KVCacheManager(64, 4)
-    m = make(LookupOnly, 64, 4)
+    m = _make_manager(LookupOnly, 64, 4)
     # a request computes its 10-token prompt and 9 generated tokens (the last one sampled has no KV yet)
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     outputs = [40, 41, 42, 43, 44, 45, 46, 47, 48]
@@ -459,20 +518,20 @@ def check_lookup_outputs_and_stats(PrefixCachingKVCacheManager):
     back = Request("a-again", prompt)
     back.append_output_token_ids(outputs)
     want_blocks, want_n = ref.get_computed_blocks(Request("a-again", prompt + outputs))
-    expect_hit(m, back, ids(want_blocks), want_n, "a preempted request: 10 prompt tokens + 9 outputs",
-               hint=lambda got, n: ("the lookup covers all of the request's tokens, its outputs included "
-                                    "(request.all_token_ids; update_block_hashes hashes them)")
-               if n < want_n else None)
+    _expect_hit(m, back, ids(want_blocks), want_n, "a preempted request: 10 prompt tokens + 9 outputs",
+                hint=lambda got, n: ("the lookup covers all of the request's tokens, its outputs included "
+                                     "(request.all_token_ids; update_block_hashes hashes them)")
+                if n < want_n else None)
 
     # counters: requests, queries (tokens looked up) and hits (tokens found)
-    m2 = make(LookupOnly, 64, 4)
+    m2 = _make_manager(LookupOnly, 64, 4)
     first = Request("p", list(range(30)))
     m2.allocate_slots(first, 30)
     m2.prefix_cache_stats.requests = m2.prefix_cache_stats.queries = m2.prefix_cache_stats.hits = 0
     cases = [(list(range(30)) + [5], 28), (list(range(9)), 8), ([3, 2, 1], 0), (list(range(24)), 20)]
     want = [0, 0, 0]
     for k, (toks, hit) in enumerate(cases):
-        got_ids, n, _ = lookup(m2, Request(f"q{k}", toks), f"q{k}: {len(toks)} tokens")
+        got_ids, n, _ = _lookup(m2, Request(f"q{k}", toks), f"q{k}: {len(toks)} tokens")
         if n != hit:
             fail(f"get_computed_blocks(q{k}: {len(toks)} tokens) found {n} tokens, expected {hit}")
         want = [want[0] + 1, want[1] + len(toks), want[2] + hit]
@@ -486,96 +545,31 @@ def check_lookup_outputs_and_stats(PrefixCachingKVCacheManager):
 
 
 def check_cache_only_full_blocks(PrefixCachingKVCacheManager):
-    Learner = PrefixCachingKVCacheManager
-    if Learner is None:
-        fail("PrefixCachingKVCacheManager is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, KVCacheManager)):
-        fail(f"PrefixCachingKVCacheManager should be a subclass of KVCacheManager, got {describe(Learner)}")
-    for meth in ("get_computed_blocks", "_cache_blocks"):
-        fn = getattr(Learner, meth)
-        if (getattr(fn, "__module__", "") or "").startswith("pagedkv."):
-            fail(f"PrefixCachingKVCacheManager.{meth} is the library's: define it in your class")
-
-    def lookup(m, r, what):
-        """Your get_computed_blocks, as (block ids, tokens); the pool must not change."""
-        before = m.snapshot()
-        stats_before = (m.prefix_cache_stats.requests, m.prefix_cache_stats.queries, m.prefix_cache_stats.hits)
-        with forbid(KVCacheManager, "get_computed_blocks"):
-            got = attempt(m.get_computed_blocks, (r,), f"get_computed_blocks({what})")
-        if got is None:
-            fail(f"get_computed_blocks({what}) returned None. Is it still the stub (...), or is a `return` missing?")
-        if not (isinstance(got, tuple) and len(got) == 2):
-            fail(f"get_computed_blocks({what}) returned {describe(got)}, expected a tuple (blocks, "
-                 "num_computed_tokens)")
-        blocks, n = got
-        if not isinstance(blocks, list) or any(m.block_pool.blocks[getattr(b, "block_id", 0)] is not b for b in blocks):
-            fail(f"get_computed_blocks({what}) returned {describe(blocks)} as its blocks: expected a list of the "
-                 "pool's KVCacheBlock objects (from self.block_pool.get_cached_block)")
-        after = m.snapshot()
-        for key in ("blocks", "free_queue", "block_tables"):
-            if before[key] != after[key]:
-                changed = ""
-                if key == "blocks":
-                    for x, y in zip(before["blocks"], after["blocks"], strict=True):
-                        if x != y:
-                            what_changed = ", ".join(f"{k} {x[k]!r} -> {y[k]!r}" for k in x if x[k] != y.get(k))
-                            changed = f" (block {x['block_id']}: {what_changed})"
-                            break
-                fail(f"get_computed_blocks({what}) changed the pool's {key}{changed}: a lookup only finds the "
-                     "blocks; allocate_slots takes them (touch)")
-        return ids(blocks), n, stats_before
-
-    def make(cls, *args, **kwargs):
-        return run(cls, args, kwargs, name=cls.__name__)
-
-    def attempt(fn, args, what):
-        try:
-            with time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            fail(f"{what} raised {type(exc).__name__}: {exc}")
+    Learner = _learner_manager(PrefixCachingKVCacheManager)
 
     # Caching uses your _cache_blocks; lookups use the library's get_computed_blocks.
     CacheOnly = type("CacheOnly", (Learner,), {"get_computed_blocks": KVCacheManager.get_computed_blocks})
 
-    def allocate(m, r, n, hits=None, what=""):
-        label = what or f"allocate_slots({r.request_id!r}, {n})"
-        try:
-            with forbid(KVCacheManager, "_cache_blocks"):
-                return attempt(m.allocate_slots, (r, n, hits), label)
-        except AssertionError as exc:
-            text = str(exc)
-            if "IndexError" in text:
-                text += (". Cache the blocks that are full once num_tokens tokens are computed: in a chunked "
-                         "prefill that "
-                         "is fewer than the request's tokens (and fewer than its table might suggest)")
-            if "block hashes" in text:
-                text += (". request.block_hashes only has the full blocks' hashes: a partly filled block is never "
-                         "cached, so cache num_tokens // block_size blocks")
-            raise AssertionError(text) from None
-
-    m = make(CacheOnly, 32, 4)
+    m = _make_manager(CacheOnly, 32, 4)
     a = Request("a", list(range(18)))
-    allocate(m, a, 18)
+    _allocate_caching(m, a, 18)
     a.num_computed_tokens = 18
     expect_cached(m, a, 4, "allocate_slots(a, 18): 4 full blocks and 2 tokens over")
 
     # decode: block 4 fills up when token 19 gets its slot
     a.append_output_token_ids(100)
-    allocate(m, a, 1, what="allocate_slots(a, 1) for token 18")
+    _allocate_caching(m, a, 1, what="allocate_slots(a, 1) for token 18")
     a.num_computed_tokens += 1
     expect_cached(m, a, 4, "a's decode step for token 18 (block 4 holds 3 tokens)")
     a.append_output_token_ids(101)
-    allocate(m, a, 1, what="allocate_slots(a, 1) for token 19")
+    _allocate_caching(m, a, 1, what="allocate_slots(a, 1) for token 19")
     a.num_computed_tokens += 1
     expect_cached(m, a, 5, "a's decode step for token 19 (block 4 is now full)")
 
     # a request with cache hits: its own new full blocks are cached after the hits
     b = Request("b", a.all_token_ids[:20] + list(range(200, 211)))  # a's 20 tokens, then 11 of its own
     hits, n = m.get_computed_blocks(b)
-    allocate(m, b, b.num_tokens - n, hits, what=f"allocate_slots(b, {b.num_tokens - n}, 5 hit blocks)")
+    _allocate_caching(m, b, b.num_tokens - n, hits, what=f"allocate_slots(b, {b.num_tokens - n}, 5 hit blocks)")
     b.num_computed_tokens = b.num_tokens
     expect_cached(m, b, 7, "allocate_slots for b (5 hit blocks, then 11 new tokens: 2 more full blocks)")
     if m.get_block_ids("b")[:5] != m.get_block_ids("a")[:5]:
@@ -585,88 +579,23 @@ def check_cache_only_full_blocks(PrefixCachingKVCacheManager):
     d = Request("d", list(range(700, 722)))
     for chunk, full in ((6, 1), (6, 3), (10, 5)):
         start = d.num_computed_tokens
-        allocate(m, d, chunk, what=f"allocate_slots(d, {chunk}) (a prefill chunk: tokens "
-                                   f"{start}-{start + chunk - 1} of 22)")
+        _allocate_caching(m, d, chunk, what=f"allocate_slots(d, {chunk}) (a prefill chunk: tokens "
+                                            f"{start}-{start + chunk - 1} of 22)")
         d.num_computed_tokens += chunk
         expect_cached(m, d, full, f"d's prefill chunk of tokens {start}-{start + chunk - 1} (of 22)")
 
     # exactly full
     c = Request("c", list(range(500, 524)))
-    allocate(m, c, 24)
+    _allocate_caching(m, c, 24)
     c.num_computed_tokens = 24
     expect_cached(m, c, 6, "allocate_slots(c, 24): exactly 6 full blocks")
 
 
 def check_prefix_lookup_hidden(PrefixCachingKVCacheManager):
-    Learner = PrefixCachingKVCacheManager
-    if Learner is None:
-        fail("PrefixCachingKVCacheManager is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, KVCacheManager)):
-        fail(f"PrefixCachingKVCacheManager should be a subclass of KVCacheManager, got {describe(Learner)}")
-    for meth in ("get_computed_blocks", "_cache_blocks"):
-        fn = getattr(Learner, meth)
-        if (getattr(fn, "__module__", "") or "").startswith("pagedkv."):
-            fail(f"PrefixCachingKVCacheManager.{meth} is the library's: define it in your class")
-
-    def lookup(m, r, what):
-        """Your get_computed_blocks, as (block ids, tokens); the pool must not change."""
-        before = m.snapshot()
-        stats_before = (m.prefix_cache_stats.requests, m.prefix_cache_stats.queries, m.prefix_cache_stats.hits)
-        with forbid(KVCacheManager, "get_computed_blocks"):
-            got = attempt(m.get_computed_blocks, (r,), f"get_computed_blocks({what})")
-        if got is None:
-            fail(f"get_computed_blocks({what}) returned None. Is it still the stub (...), or is a `return` missing?")
-        if not (isinstance(got, tuple) and len(got) == 2):
-            fail(f"get_computed_blocks({what}) returned {describe(got)}, expected a tuple (blocks, "
-                 "num_computed_tokens)")
-        blocks, n = got
-        if not isinstance(blocks, list) or any(m.block_pool.blocks[getattr(b, "block_id", 0)] is not b for b in blocks):
-            fail(f"get_computed_blocks({what}) returned {describe(blocks)} as its blocks: expected a list of the "
-                 "pool's KVCacheBlock objects (from self.block_pool.get_cached_block)")
-        after = m.snapshot()
-        for key in ("blocks", "free_queue", "block_tables"):
-            if before[key] != after[key]:
-                changed = ""
-                if key == "blocks":
-                    for x, y in zip(before["blocks"], after["blocks"], strict=True):
-                        if x != y:
-                            what_changed = ", ".join(f"{k} {x[k]!r} -> {y[k]!r}" for k in x if x[k] != y.get(k))
-                            changed = f" (block {x['block_id']}: {what_changed})"
-                            break
-                fail(f"get_computed_blocks({what}) changed the pool's {key}{changed}: a lookup only finds the "
-                     "blocks; allocate_slots takes them (touch)")
-        return ids(blocks), n, stats_before
-
-    def make(cls, *args, **kwargs):
-        return run(cls, args, kwargs, name=cls.__name__)
-
-    def attempt(fn, args, what):
-        try:
-            with time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            fail(f"{what} raised {type(exc).__name__}: {exc}")
+    Learner = _learner_manager(PrefixCachingKVCacheManager)
 
     # Caching uses your _cache_blocks; lookups use the library's get_computed_blocks.
     CacheOnly = type("CacheOnly", (Learner,), {"get_computed_blocks": KVCacheManager.get_computed_blocks})
-
-    def allocate(m, r, n, hits=None, what=""):
-        label = what or f"allocate_slots({r.request_id!r}, {n})"
-        try:
-            with forbid(KVCacheManager, "_cache_blocks"):
-                return attempt(m.allocate_slots, (r, n, hits), label)
-        except AssertionError as exc:
-            text = str(exc)
-            if "IndexError" in text:
-                text += (". Cache the blocks that are full once num_tokens tokens are computed: in a chunked "
-                         "prefill that "
-                         "is fewer than the request's tokens (and fewer than its table might suggest)")
-            if "block hashes" in text:
-                text += (". request.block_hashes only has the full blocks' hashes: a partly filled block is never "
-                         "cached, so cache num_tokens // block_size blocks")
-            raise AssertionError(text) from None
 
     LookupOnly = type("LookupOnly", (Learner,), {"_cache_blocks": KVCacheManager._cache_blocks})
     # Random workloads, your manager and the library's side by side: every lookup and every cache must agree.
@@ -676,9 +605,9 @@ def check_prefix_lookup_hidden(PrefixCachingKVCacheManager):
         nblocks = rng.randrange(40, 160)
         caching = trial != 0
         # (yours, the library's): one pair checks your lookup, the other your caching
-        pairs = [(make(LookupOnly, nblocks, bs, enable_caching=caching),
+        pairs = [(_make_manager(LookupOnly, nblocks, bs, enable_caching=caching),
                   KVCacheManager(nblocks, bs, enable_caching=caching)),
-                 (make(CacheOnly, nblocks, bs, enable_caching=caching),
+                 (_make_manager(CacheOnly, nblocks, bs, enable_caching=caching),
                   KVCacheManager(nblocks, bs, enable_caching=caching))]
         running = [([], []), ([], [])]
         prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(1, 6 * bs))] for _ in range(4)]
@@ -692,7 +621,7 @@ def check_prefix_lookup_hidden(PrefixCachingKVCacheManager):
                     r_ref, r_mine = Request(rid, toks), Request(rid, toks)
                     want_blocks, want_n = ref.get_computed_blocks(r_ref)
                     if p == 0:
-                        got_ids, got_n, _ = lookup(mine, r_mine, what)
+                        got_ids, got_n, _ = _lookup(mine, r_mine, what)
                         if (got_ids, got_n) != (ids(want_blocks), want_n):
                             fail(f"get_computed_blocks({what}) found blocks {got_ids} ({got_n} tokens), expected "
                                  f"{ids(want_blocks)} ({want_n} tokens)")
@@ -703,7 +632,7 @@ def check_prefix_lookup_hidden(PrefixCachingKVCacheManager):
                                                        [mine.block_pool.blocks[i] for i in got_ids])
                     else:
                         hits, n = mine.get_computed_blocks(r_mine)
-                        new_mine = allocate(mine, r_mine, len(toks) - n, hits, what=f"allocate_slots({what})")
+                        new_mine = _allocate_caching(mine, r_mine, len(toks) - n, hits, what=f"allocate_slots({what})")
                     new_ref = ref.allocate_slots(r_ref, len(toks) - want_n, want_blocks)
                     if (new_ref is None) != (new_mine is None):
                         fail(f"allocate_slots({what}) succeeded on one manager and failed on the other")
@@ -726,7 +655,8 @@ def check_prefix_lookup_hidden(PrefixCachingKVCacheManager):
                         for mgr, r in ((mine, live_mine[k]), (ref, live_ref[k])):
                             r.append_output_token_ids(tok)
                             if p == 1 and mgr is mine:
-                                out = allocate(mgr, r, 1, what=f"allocate_slots({r.request_id!r}, 1) (a decode step)")
+                                out = _allocate_caching(mgr, r, 1,
+                                                        what=f"allocate_slots({r.request_id!r}, 1) (a decode step)")
                             else:
                                 out = mgr.allocate_slots(r, 1)
                             if out is not None:
@@ -743,37 +673,14 @@ def check_prefix_lookup_hidden(PrefixCachingKVCacheManager):
 
 
 def check_free_blocks_order(EvictingBlockPool):
-    Learner = EvictingBlockPool
-    if Learner is None:
-        fail("EvictingBlockPool is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, BlockPool)):
-        fail(f"EvictingBlockPool should be a subclass of BlockPool, got {describe(Learner)}")
-    for meth in ("free_blocks", "get_new_blocks"):
-        if (getattr(getattr(Learner, meth), "__module__", "") or "").startswith("pagedkv."):
-            fail(f"EvictingBlockPool.{meth} is the library's: define it in your class")
-
-    def attempt(fn, args, what, refuse_library=True):
-        try:
-            with forbid_library() if refuse_library else contextlib.nullcontext(), time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            stub = " (is one of your methods still the stub, returning None?)" if "NoneType" in str(exc) else ""
-            fail(f"{what} raised {type(exc).__name__}: {exc}{stub}")
-
-    def call(pool, meth, arg, what):
-        return attempt(getattr(pool, meth), (arg,), what)
-
-    def make(cls, n):
-        return run(cls, (n,), name=cls.__name__)
+    Learner = _learner_pool(EvictingBlockPool)
 
     FreeOnly = type("FreeOnly", (Learner,), {"get_new_blocks": BlockPool.get_new_blocks})  # your free_blocks
-    pool = make(FreeOnly, 10)  # usable blocks 1..9
+    pool = _make_pool(FreeOnly, 10)  # usable blocks 1..9
     b = pool.get_new_blocks(6)  # blocks 1..6 held; queue [7, 8, 9]
     cache(pool, b[0], 101)
     cache(pool, b[2], 103)
-    call(pool, "free_blocks", [b[0], b[1], b[2], b[3]], "free_blocks([1 (cached), 2, 3 (cached), 4])")
+    _call(pool, "free_blocks", [b[0], b[1], b[2], b[3]], "free_blocks([1 (cached), 2, 3 (cached), 4])")
     got, want = queue(pool), [2, 4, 7, 8, 9, 1, 3]
     if got != want:
         hints = {
@@ -798,46 +705,23 @@ def check_free_blocks_order(EvictingBlockPool):
                  "cached_block_hash_to_block until it is popped for reuse, so a later request can still hit it")
     # a block held by two requests stays held when one lets go
     pool.touch([b[4]])
-    call(pool, "free_blocks", [b[4]], "free_blocks([5]) with ref_cnt 2")
+    _call(pool, "free_blocks", [b[4]], "free_blocks([5]) with ref_cnt 2")
     if b[4].ref_cnt != 1 or 5 in queue(pool):
         fail(f"block 5 had ref_cnt 2; after one free it must have ref_cnt 1 and stay out of the free queue, got "
              f"ref_cnt {b[4].ref_cnt} and queue {queue(pool)}")
-    call(pool, "free_blocks", (x for x in [b[5], b[4]]), "free_blocks(a generator of [6, 5])")
+    _call(pool, "free_blocks", (x for x in [b[5], b[4]]), "free_blocks(a generator of [6, 5])")
     if queue(pool) != [6, 5, 2, 4, 7, 8, 9, 1, 3]:
         fail(f"after free_blocks([6, 5]) the queue is {queue(pool)}, expected [6, 5, 2, 4, 7, 8, 9, 1, 3] (and "
              "ordered_blocks may be any iterable: read it once, e.g. list(ordered_blocks))")
 
 
 def check_free_blocks_bad_input(EvictingBlockPool):
-    Learner = EvictingBlockPool
-    if Learner is None:
-        fail("EvictingBlockPool is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, BlockPool)):
-        fail(f"EvictingBlockPool should be a subclass of BlockPool, got {describe(Learner)}")
-    for meth in ("free_blocks", "get_new_blocks"):
-        if (getattr(getattr(Learner, meth), "__module__", "") or "").startswith("pagedkv."):
-            fail(f"EvictingBlockPool.{meth} is the library's: define it in your class")
-
-    def attempt(fn, args, what, refuse_library=True):
-        try:
-            with forbid_library() if refuse_library else contextlib.nullcontext(), time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            stub = " (is one of your methods still the stub, returning None?)" if "NoneType" in str(exc) else ""
-            fail(f"{what} raised {type(exc).__name__}: {exc}{stub}")
-
-    def call(pool, meth, arg, what):
-        return attempt(getattr(pool, meth), (arg,), what)
-
-    def make(cls, n):
-        return run(cls, (n,), name=cls.__name__)
+    Learner = _learner_pool(EvictingBlockPool)
 
     FreeOnly = type("FreeOnly", (Learner,), {"get_new_blocks": BlockPool.get_new_blocks})  # your free_blocks
-    pool = make(FreeOnly, 6)
+    pool = _make_pool(FreeOnly, 6)
     b = pool.get_new_blocks(3)
-    call(pool, "free_blocks", [b[0]], "free_blocks([1])")
+    _call(pool, "free_blocks", [b[0]], "free_blocks([1])")
     if queue(pool) != [1, 4, 5]:
         fail(f"after free_blocks([1]) the free queue is {queue(pool)}, expected [1, 4, 5]")
     for blocks, what in (([b[0]], "free_blocks([1]) when block 1 is already free"),
@@ -859,34 +743,11 @@ def check_free_blocks_bad_input(EvictingBlockPool):
 
 
 def check_get_new_blocks_evicts_on_reuse(EvictingBlockPool):
-    Learner = EvictingBlockPool
-    if Learner is None:
-        fail("EvictingBlockPool is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, BlockPool)):
-        fail(f"EvictingBlockPool should be a subclass of BlockPool, got {describe(Learner)}")
-    for meth in ("free_blocks", "get_new_blocks"):
-        if (getattr(getattr(Learner, meth), "__module__", "") or "").startswith("pagedkv."):
-            fail(f"EvictingBlockPool.{meth} is the library's: define it in your class")
-
-    def attempt(fn, args, what, refuse_library=True):
-        try:
-            with forbid_library() if refuse_library else contextlib.nullcontext(), time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            stub = " (is one of your methods still the stub, returning None?)" if "NoneType" in str(exc) else ""
-            fail(f"{what} raised {type(exc).__name__}: {exc}{stub}")
-
-    def call(pool, meth, arg, what):
-        return attempt(getattr(pool, meth), (arg,), what)
-
-    def make(cls, n):
-        return run(cls, (n,), name=cls.__name__)
+    Learner = _learner_pool(EvictingBlockPool)
 
     GetOnly = type("GetOnly", (Learner,), {"free_blocks": BlockPool.free_blocks})  # your get_new_blocks
-    pool = make(GetOnly, 10)
-    got = call(pool, "get_new_blocks", 9, "get_new_blocks(9)")
+    pool = _make_pool(GetOnly, 10)
+    got = _call(pool, "get_new_blocks", 9, "get_new_blocks(9)")
     if not isinstance(got, list) or [getattr(x, "block_id", x) for x in got] != list(range(1, 10)):
         shown = [getattr(x, "block_id", x) for x in got] if isinstance(got, list) else got
         fail(f"get_new_blocks(9) on a fresh pool of 10 returned {describe(shown)}, expected blocks 1..9 in order "
@@ -899,8 +760,8 @@ def check_get_new_blocks_evicts_on_reuse(EvictingBlockPool):
     pool.free_blocks([b[3], b[1], b[2], b[4]])  # the library's free_blocks: to the tail, in this order
     pool.free_blocks([b[5]])  # no hash: to the head
     # queue: [5, 3, 1, 2, 4]
-    got = call(pool, "get_new_blocks", 2, "get_new_blocks(2) on the free queue [5, 3 (hash 103), 1 (hash "
-                                          "101), 2 (hash 102), 4 (hash 103)]")
+    got = _call(pool, "get_new_blocks", 2, "get_new_blocks(2) on the free queue [5, 3 (hash 103), 1 (hash "
+                                           "101), 2 (hash 102), 4 (hash 103)]")
     got_ids = [getattr(x, "block_id", x) for x in got] if isinstance(got, list) else got
     if got_ids != [5, 3]:
         fail(f"get_new_blocks(2) on the free queue [5, 3, 1, 2, 4] returned {describe(got_ids)}, expected [5, 3]: "
@@ -936,9 +797,9 @@ def check_get_new_blocks_evicts_on_reuse(EvictingBlockPool):
     why = diff(state(pool), before)
     if why:
         fail(f"get_new_blocks(4) with 3 free blocks raised but changed the pool first: {why}")
-    if call(pool, "get_new_blocks", 0, "get_new_blocks(0)") != []:
+    if _call(pool, "get_new_blocks", 0, "get_new_blocks(0)") != []:
         fail("get_new_blocks(0) must return []")
-    rest = call(pool, "get_new_blocks", 3, "get_new_blocks(3)")
+    rest = _call(pool, "get_new_blocks", 3, "get_new_blocks(3)")
     if [x.block_id for x in rest] != [1, 2, 4] or pool.cached_block_hash_to_block or pool.num_evictions != 4:
         fail(f"get_new_blocks(3) on [1, 2, 4] (all cached) must evict all three: map "
              f"{describe(pool.cached_block_hash_to_block)} (expected empty), num_evictions {pool.num_evictions} "
@@ -946,30 +807,7 @@ def check_get_new_blocks_evicts_on_reuse(EvictingBlockPool):
 
 
 def check_eviction_with_the_manager(EvictingBlockPool):
-    Learner = EvictingBlockPool
-    if Learner is None:
-        fail("EvictingBlockPool is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, BlockPool)):
-        fail(f"EvictingBlockPool should be a subclass of BlockPool, got {describe(Learner)}")
-    for meth in ("free_blocks", "get_new_blocks"):
-        if (getattr(getattr(Learner, meth), "__module__", "") or "").startswith("pagedkv."):
-            fail(f"EvictingBlockPool.{meth} is the library's: define it in your class")
-
-    def attempt(fn, args, what, refuse_library=True):
-        try:
-            with forbid_library() if refuse_library else contextlib.nullcontext(), time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            stub = " (is one of your methods still the stub, returning None?)" if "NoneType" in str(exc) else ""
-            fail(f"{what} raised {type(exc).__name__}: {exc}{stub}")
-
-    def call(pool, meth, arg, what):
-        return attempt(getattr(pool, meth), (arg,), what)
-
-    def make(cls, n):
-        return run(cls, (n,), name=cls.__name__)
+    Learner = _learner_pool(EvictingBlockPool)
 
     # A shared system prompt under memory pressure, run on your pool and on the library's.
     def scenario(pool_cls):
@@ -985,15 +823,15 @@ def check_eviction_with_the_manager(EvictingBlockPool):
                 [rng.randrange(100, 200) for _ in range(rng.randrange(5, 30))]
             r = Request(f"r{i}", toks)
             hits, n = m.get_computed_blocks(r)
-            new = attempt(m.allocate_slots, (r, r.num_tokens - n, hits), f"allocate_slots(r{i}, {r.num_tokens - n})",
-                          pool_cls is not None)
+            new = _attempt_on_pool(m.allocate_slots, (r, r.num_tokens - n, hits),
+                                   f"allocate_slots(r{i}, {r.num_tokens - n})", pool_cls is not None)
             log.append((f"r{i}", n, None if new is None else m.get_block_ids(r.request_id)))
             if new is not None:
                 r.num_computed_tokens = r.num_tokens
                 live.append(r)
             if len(live) > 2 or new is None:
                 gone = live.pop(0)
-                attempt(m.free, (gone,), f"free({gone.request_id})", pool_cls is not None)
+                _attempt_on_pool(m.free, (gone,), f"free({gone.request_id})", pool_cls is not None)
         return log, state(m.block_pool)
 
     want_log, want_state = scenario(None)
@@ -1009,36 +847,13 @@ def check_eviction_with_the_manager(EvictingBlockPool):
 
 
 def check_eviction_hidden(EvictingBlockPool):
-    Learner = EvictingBlockPool
-    if Learner is None:
-        fail("EvictingBlockPool is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, BlockPool)):
-        fail(f"EvictingBlockPool should be a subclass of BlockPool, got {describe(Learner)}")
-    for meth in ("free_blocks", "get_new_blocks"):
-        if (getattr(getattr(Learner, meth), "__module__", "") or "").startswith("pagedkv."):
-            fail(f"EvictingBlockPool.{meth} is the library's: define it in your class")
-
-    def attempt(fn, args, what, refuse_library=True):
-        try:
-            with forbid_library() if refuse_library else contextlib.nullcontext(), time_limit(5, what):
-                return fn(*args)
-        except CallTimeout:
-            fail(f"{what} did not return within 5 s: is there an infinite loop?")
-        except Exception as exc:  # noqa: BLE001
-            stub = " (is one of your methods still the stub, returning None?)" if "NoneType" in str(exc) else ""
-            fail(f"{what} raised {type(exc).__name__}: {exc}{stub}")
-
-    def call(pool, meth, arg, what):
-        return attempt(getattr(pool, meth), (arg,), what)
-
-    def make(cls, n):
-        return run(cls, (n,), name=cls.__name__)
+    Learner = _learner_pool(EvictingBlockPool)
 
     # Random operations on your pool and the library's, side by side.
     rng = random.Random(161803)
     for _ in range(25):
         n = rng.randrange(3, 20)
-        mine, ref = make(Learner, n), BlockPool(n)
+        mine, ref = _make_pool(Learner, n), BlockPool(n)
         held = []  # block ids, one entry per reference
         history = []
         for step in range(80):
@@ -1068,7 +883,7 @@ def check_eviction_hidden(EvictingBlockPool):
                 for i in sorted(pick, reverse=True):
                     held.pop(i)
                 history.append(f"free_blocks({ids_})")
-                attempt(mine.free_blocks, ([mine.blocks[i] for i in ids_],), history[-1])
+                _attempt_on_pool(mine.free_blocks, ([mine.blocks[i] for i in ids_],), history[-1])
                 ref.free_blocks([ref.blocks[i] for i in ids_])
             elif u < 0.8 and held:
                 i = rng.choice(held)
@@ -1104,59 +919,10 @@ def check_eviction_hidden(EvictingBlockPool):
 def check_cow_parallel_sampling(copy_on_write):
     require_function(copy_on_write, "copy_on_write")
 
-    class CoW(KVCacheManager):
-        def _blocks_written(self, request, blocks, num_new_tokens):
-            return []
-
-        def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None):
-            if request.request_id in self.req_to_blocks and not new_computed_blocks:
-                run(copy_on_write, (self, request, num_new_tokens),
-                    name=f"copy_on_write(manager, {request.request_id!r}, {num_new_tokens})")
-            return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-
-    class World:
-        """A manager (yours or the library's) and its shadow cache: each slot holds the token written there."""
-
-        def __init__(self, cls, num_blocks, bs):
-            self.m = cls(num_blocks, bs)
-            self.shadow = ShadowKVCache(num_blocks, bs)
-            self.reqs = {}
-            self.copies = []
-
-        def prefill(self, rid, tokens, extra_slots=0):
-            r = Request(rid, tokens)
-            self.reqs[rid] = r
-            self.m.allocate_slots(r, len(tokens) + extra_slots)
-            self.shadow.write(self.m.get_slot_mapping(rid, 0, len(tokens)), tokens)
-            r.num_computed_tokens = len(tokens)
-
-        def fork(self, parent, child):
-            p = self.reqs[parent]
-            c = Request(child, p.prompt_token_ids)
-            c.append_output_token_ids(p.output_token_ids)
-            self.reqs[child] = c
-            self.m.fork(p, c)
-
-        def write(self, rid, tokens):
-            """rid appends tokens and computes them (their KV is written at their slots)."""
-            r = self.reqs[rid]
-            start = r.num_computed_tokens
-            r.append_output_token_ids(tokens)
-            if self.m.allocate_slots(r, len(tokens)) is None:
-                fail("the pool ran out of blocks (more copies than expected?)")
-            pairs = self.m.get_pending_copies()
-            self.copies += pairs
-            self.shadow.copy_blocks(pairs)
-            self.shadow.write(self.m.get_slot_mapping(rid, start, start + len(tokens)), tokens)
-            r.num_computed_tokens += len(tokens)
-            return pairs
-
-        def read(self, rid):
-            r = self.reqs[rid]
-            return self.shadow.read(self.m.get_block_ids(rid), r.num_computed_tokens)
+    CoW = _cow_manager(copy_on_write)
 
     # n = 4: one 10-token prompt (blocks of 4: two full blocks, one holding 2 tokens), three forks.
-    mine, ref = World(CoW, 24, 4), World(KVCacheManager, 24, 4)
+    mine, ref = _World(CoW, 24, 4), _World(KVCacheManager, 24, 4)
     for w in (mine, ref):
         w.prefill("s0", list(range(10, 20)))
         for k in (1, 2, 3):
@@ -1197,59 +963,10 @@ def check_cow_parallel_sampling(copy_on_write):
 def check_cow_only_what_is_written(copy_on_write):
     require_function(copy_on_write, "copy_on_write")
 
-    class CoW(KVCacheManager):
-        def _blocks_written(self, request, blocks, num_new_tokens):
-            return []
-
-        def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None):
-            if request.request_id in self.req_to_blocks and not new_computed_blocks:
-                run(copy_on_write, (self, request, num_new_tokens),
-                    name=f"copy_on_write(manager, {request.request_id!r}, {num_new_tokens})")
-            return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-
-    class World:
-        """A manager (yours or the library's) and its shadow cache: each slot holds the token written there."""
-
-        def __init__(self, cls, num_blocks, bs):
-            self.m = cls(num_blocks, bs)
-            self.shadow = ShadowKVCache(num_blocks, bs)
-            self.reqs = {}
-            self.copies = []
-
-        def prefill(self, rid, tokens, extra_slots=0):
-            r = Request(rid, tokens)
-            self.reqs[rid] = r
-            self.m.allocate_slots(r, len(tokens) + extra_slots)
-            self.shadow.write(self.m.get_slot_mapping(rid, 0, len(tokens)), tokens)
-            r.num_computed_tokens = len(tokens)
-
-        def fork(self, parent, child):
-            p = self.reqs[parent]
-            c = Request(child, p.prompt_token_ids)
-            c.append_output_token_ids(p.output_token_ids)
-            self.reqs[child] = c
-            self.m.fork(p, c)
-
-        def write(self, rid, tokens):
-            """rid appends tokens and computes them (their KV is written at their slots)."""
-            r = self.reqs[rid]
-            start = r.num_computed_tokens
-            r.append_output_token_ids(tokens)
-            if self.m.allocate_slots(r, len(tokens)) is None:
-                fail("the pool ran out of blocks (more copies than expected?)")
-            pairs = self.m.get_pending_copies()
-            self.copies += pairs
-            self.shadow.copy_blocks(pairs)
-            self.shadow.write(self.m.get_slot_mapping(rid, start, start + len(tokens)), tokens)
-            r.num_computed_tokens += len(tokens)
-            return pairs
-
-        def read(self, rid):
-            r = self.reqs[rid]
-            return self.shadow.read(self.m.get_block_ids(rid), r.num_computed_tokens)
+    CoW = _cow_manager(copy_on_write)
 
     # n = 2: the first writer copies, the second writes in place
-    mine, ref = World(CoW, 16, 4), World(KVCacheManager, 16, 4)
+    mine, ref = _World(CoW, 16, 4), _World(KVCacheManager, 16, 4)
     for w in (mine, ref):
         w.prefill("p", [1, 2, 3, 4, 5, 6])
         w.fork("p", "c")
@@ -1264,7 +981,7 @@ def check_cow_only_what_is_written(copy_on_write):
     check_reads(mine, "after p and c each wrote one token")
 
     # a block that holds no computed token yet: a private block, but nothing to copy
-    mine, ref = World(CoW, 16, 4), World(KVCacheManager, 16, 4)
+    mine, ref = _World(CoW, 16, 4), _World(KVCacheManager, 16, 4)
     for w in (mine, ref):
         w.prefill("p", [1, 2, 3, 4, 5, 6, 7, 8], extra_slots=1)  # 8 tokens computed, a 3rd block already allocated
         w.fork("p", "c")
@@ -1280,7 +997,7 @@ def check_cow_only_what_is_written(copy_on_write):
     check_reads(mine, "after c and p each wrote token 8 into what was one shared, empty block")
 
     # a request nobody shares with: never a copy
-    solo = World(CoW, 16, 4)
+    solo = _World(CoW, 16, 4)
     solo.prefill("s", [1, 2, 3, 4, 5])
     before = solo.m.get_block_ids("s")
     for t in (9, 10, 11, 12):
@@ -1291,7 +1008,7 @@ def check_cow_only_what_is_written(copy_on_write):
         fail(f"a request that shares nothing had its blocks replaced ({before} became {solo.m.get_block_ids('s')})")
 
     # a write that lands in two shared blocks: the partly filled one (copy) and an empty one (no copy)
-    mine, ref = World(CoW, 24, 4), World(KVCacheManager, 24, 4)
+    mine, ref = _World(CoW, 24, 4), _World(KVCacheManager, 24, 4)
     for w in (mine, ref):
         w.prefill("p", [1, 2, 3, 4, 5, 6], extra_slots=4)  # a table of 3 blocks: full, 2 tokens, empty
         w.fork("p", "c")
@@ -1304,7 +1021,7 @@ def check_cow_only_what_is_written(copy_on_write):
     check_reads(mine, "after c and p each wrote 5 tokens into the blocks they shared")
 
     # a chunk that spans the shared partial block and more
-    mine, ref = World(CoW, 24, 4), World(KVCacheManager, 24, 4)
+    mine, ref = _World(CoW, 24, 4), _World(KVCacheManager, 24, 4)
     for w in (mine, ref):
         w.prefill("p", [1, 2, 3, 4, 5, 6])
         w.fork("p", "c")
@@ -1319,62 +1036,13 @@ def check_cow_only_what_is_written(copy_on_write):
 def check_cow_hidden(copy_on_write):
     require_function(copy_on_write, "copy_on_write")
 
-    class CoW(KVCacheManager):
-        def _blocks_written(self, request, blocks, num_new_tokens):
-            return []
-
-        def allocate_slots(self, request, num_new_tokens, new_computed_blocks=None):
-            if request.request_id in self.req_to_blocks and not new_computed_blocks:
-                run(copy_on_write, (self, request, num_new_tokens),
-                    name=f"copy_on_write(manager, {request.request_id!r}, {num_new_tokens})")
-            return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-
-    class World:
-        """A manager (yours or the library's) and its shadow cache: each slot holds the token written there."""
-
-        def __init__(self, cls, num_blocks, bs):
-            self.m = cls(num_blocks, bs)
-            self.shadow = ShadowKVCache(num_blocks, bs)
-            self.reqs = {}
-            self.copies = []
-
-        def prefill(self, rid, tokens, extra_slots=0):
-            r = Request(rid, tokens)
-            self.reqs[rid] = r
-            self.m.allocate_slots(r, len(tokens) + extra_slots)
-            self.shadow.write(self.m.get_slot_mapping(rid, 0, len(tokens)), tokens)
-            r.num_computed_tokens = len(tokens)
-
-        def fork(self, parent, child):
-            p = self.reqs[parent]
-            c = Request(child, p.prompt_token_ids)
-            c.append_output_token_ids(p.output_token_ids)
-            self.reqs[child] = c
-            self.m.fork(p, c)
-
-        def write(self, rid, tokens):
-            """rid appends tokens and computes them (their KV is written at their slots)."""
-            r = self.reqs[rid]
-            start = r.num_computed_tokens
-            r.append_output_token_ids(tokens)
-            if self.m.allocate_slots(r, len(tokens)) is None:
-                fail("the pool ran out of blocks (more copies than expected?)")
-            pairs = self.m.get_pending_copies()
-            self.copies += pairs
-            self.shadow.copy_blocks(pairs)
-            self.shadow.write(self.m.get_slot_mapping(rid, start, start + len(tokens)), tokens)
-            r.num_computed_tokens += len(tokens)
-            return pairs
-
-        def read(self, rid):
-            r = self.reqs[rid]
-            return self.shadow.read(self.m.get_block_ids(rid), r.num_computed_tokens)
+    CoW = _cow_manager(copy_on_write)
 
     # Random fork trees (beam-search-like), your rule and the library's side by side.
     rng = random.Random(12345)
     for trial in range(30):
         bs = rng.choice([2, 3, 4, 8])
-        mine, ref = World(CoW, 400, bs), World(KVCacheManager, 400, bs)
+        mine, ref = _World(CoW, 400, bs), _World(KVCacheManager, 400, bs)
         prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 4 * bs))]
         extra = rng.choice([0, 0, 1, bs])
         for w in (mine, ref):
