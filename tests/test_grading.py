@@ -929,6 +929,28 @@ def test_remote_exceptions_keep_their_type_and_the_learners_line():
     assert isinstance(odd, KeyError) and type(odd).__name__ == "PoolError"
 
 
+def test_a_key_error_crosses_with_one_pair_of_quotes():
+    from pagedkv.grading import remote
+
+    def crossed(exc: BaseException) -> BaseException:
+        try:
+            raise exc
+        except BaseException as raised:  # noqa: BLE001 - as the sandbox catches it
+            return remote._exception(json.loads(json.dumps(wire.exception_info(raised))))
+
+    key = crossed(KeyError("head_dim"))
+    assert type(key) is KeyError and str(key) == str(KeyError("head_dim")) == "'head_dim'"
+    with pytest.raises(AssertionError, match=r"raised KeyError: 'head_dim' \(in "):
+        checks.run(lambda: (_ for _ in ()).throw(key), name="kv_page_bytes")
+    assert str(crossed(KeyError(3))) == "'3'" and wire.exception_info(KeyError("a", "b"))["message"] == "('a', 'b')"
+
+    class Missing(KeyError):
+        def __str__(self) -> str:
+            return "no such block"
+
+    assert wire.exception_info(Missing("x"))["message"] == "no such block"  # its own message, as it is
+
+
 def test_sandbox_stubs_the_reference_in_its_copy(tmp_path):
     from pagedkv.grading import sandbox
 

@@ -191,7 +191,12 @@ def exception_info(exc: BaseException) -> dict:
 
     bases = [c.__name__ for c in type(exc).__mro__ if _BUILTIN_EXCEPTIONS.get(c.__name__) is c]
     try:
-        message = str(exc)
+        # str(KeyError("k")) is "'k'" (the key's repr): send the key itself, or the KeyError rebuilt from the
+        # message on the other side would read "'k'" inside another pair of quotes
+        if isinstance(exc, KeyError) and len(exc.args) == 1 and type(exc).__str__ is KeyError.__str__:
+            message = str(exc.args[0])
+        else:
+            message = str(exc)
     except Exception:  # noqa: BLE001 - a learner's exception whose __str__ raises
         message = f"<{type(exc).__name__} whose str() raised>"
     where = None
