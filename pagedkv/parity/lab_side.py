@@ -7,13 +7,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedkv.kv_cache_manager import KVCacheManager
-from pagedkv.parity.workloads import ManagerConfig, SchedulerConfig
+from pagedkv.parity.workloads import ManagerConfig, ManagerSideBase, SchedulerConfig, error_obs
 from pagedkv.request import Request
 from pagedkv.scheduler import Scheduler
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
-    return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _ids(blocks: Sequence[Any] | None) -> list[int] | None:
@@ -53,15 +49,12 @@ def is_scheduler_factory(impl: Any) -> bool:
     )
 
 
-class LabManagerSide:
+class LabManagerSide(ManagerSideBase):
     """``KVCacheManager`` operations as the manager driver calls them."""
 
     def __init__(self, cfg: ManagerConfig, impl: Any = None) -> None:
         self.manager = make_manager(cfg, impl)
         self.requests: dict[str, Request] = {}
-
-    def _free_count(self) -> int:
-        return int(self.manager.block_pool.get_num_free_blocks())
 
     def admit(self, rid: str, tokens: list[int]) -> dict[str, Any]:
         try:
@@ -76,7 +69,7 @@ class LabManagerSide:
             obs["num_free"] = self._free_count()
             return obs
         except Exception as exc:  # a learner's class may raise anything: report it as the divergence
-            return _error(exc)
+            return error_obs(exc)
 
     def decode(self, rid: str, token: int) -> dict[str, Any]:
         try:
@@ -88,20 +81,7 @@ class LabManagerSide:
             table = [int(b) for b in self.manager.get_block_ids(rid)]
             return {"new_blocks": _ids(new), "table": table, "num_free": self._free_count()}
         except Exception as exc:
-            return _error(exc)
-
-    def free(self, rid: str) -> dict[str, Any]:
-        try:
-            self.manager.free(self.requests.pop(rid))
-            return {"num_free": self._free_count()}
-        except Exception as exc:
-            return _error(exc)
-
-    def reset(self) -> dict[str, Any]:
-        try:
-            return {"reset": bool(self.manager.reset_prefix_cache()), "num_free": self._free_count()}
-        except Exception as exc:
-            return _error(exc)
+            return error_obs(exc)
 
 
 class LabSchedulerSide:
@@ -152,4 +132,4 @@ class LabSchedulerSide:
                 "num_free": int(manager.block_pool.get_num_free_blocks()),
             }
         except Exception as exc:
-            return _error(exc)
+            return error_obs(exc)

@@ -116,7 +116,7 @@ def _lab_trace(name: str, seed: int, enable_caching: bool | None, impl: Any) -> 
     try:
         side = LabManagerSide(cfg, impl) if name == "manager" else LabSchedulerSide(cfg, impl)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - a learner's constructor failing is a divergence at entry 0
-        return workloads.config_dict(cfg), [{"op": {"op": "create"}, "obs": {"error": f"{type(exc).__name__}: {exc}"}}]
+        return workloads.config_dict(cfg), [{"op": {"op": "create"}, "obs": workloads.error_obs(exc)}]
     if name == "manager":
         return workloads.config_dict(cfg), workloads.run_manager(side, seed, cfg)  # type: ignore[arg-type]
     return workloads.config_dict(cfg), workloads.run_scheduler(side, seed, cfg)  # type: ignore[arg-type]

@@ -27,14 +27,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from pagedkv.parity.workloads import ManagerConfig, SchedulerConfig
+from pagedkv.parity.workloads import ManagerConfig, ManagerSideBase, SchedulerConfig, error_obs
 
 MAX_MODEL_LEN = 4096
 init_none_hash(sha256)
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
-    return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
@@ -47,7 +43,7 @@ def make_request(rid: str, tokens: list[int], max_tokens: int, block_size: int) 
     return Request(rid, list(tokens), params, None, block_hasher=get_request_block_hasher(block_size, sha256))
 
 
-class VllmManagerSide:
+class VllmManagerSide(ManagerSideBase):
     def __init__(self, cfg: ManagerConfig) -> None:
         self.cfg = cfg
         self.manager = KVCacheManager(
@@ -58,9 +54,6 @@ class VllmManagerSide:
             enable_caching=cfg.enable_caching,
         )
         self.requests: dict[str, Request] = {}
-
-    def _free_count(self) -> int:
-        return int(self.manager.block_pool.get_num_free_blocks())
 
     def _table(self, rid: str) -> list[int]:
         return [int(b) for b in self.manager.get_block_ids(rid)[0]]
@@ -85,7 +78,7 @@ class VllmManagerSide:
             obs["num_free"] = self._free_count()
             return obs
         except Exception as exc:
-            return _error(exc)
+            return error_obs(exc)
 
     def decode(self, rid: str, token: int) -> dict[str, Any]:
         try:
@@ -97,20 +90,7 @@ class VllmManagerSide:
             new_ids = None if new is None else [int(b.block_id) for b in new.blocks[0]]
             return {"new_blocks": new_ids, "table": self._table(rid), "num_free": self._free_count()}
         except Exception as exc:
-            return _error(exc)
-
-    def free(self, rid: str) -> dict[str, Any]:
-        try:
-            self.manager.free(self.requests.pop(rid))
-            return {"num_free": self._free_count()}
-        except Exception as exc:
-            return _error(exc)
-
-    def reset(self) -> dict[str, Any]:
-        try:
-            return {"reset": bool(self.manager.reset_prefix_cache()), "num_free": self._free_count()}
-        except Exception as exc:
-            return _error(exc)
+            return error_obs(exc)
 
 
 class _NoStructuredOutput:
@@ -213,4 +193,4 @@ class VllmSchedulerSide:
                 "num_free": int(s.kv_cache_manager.block_pool.get_num_free_blocks()),
             }
         except Exception as exc:
-            return _error(exc)
+            return error_obs(exc)

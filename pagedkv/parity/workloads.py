@@ -51,6 +51,37 @@ class SchedulerConfig:
     enable_caching: bool
 
 
+def error_obs(exc: BaseException) -> dict[str, Any]:
+    """The observation a side returns when an operation raised: the driver stops there, and the first trace
+    entry that differs is the divergence."""
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+class ManagerSideBase:
+    """What every manager side does alike, on ``self.manager`` (the lab's, a learner's or vLLM's
+    ``KVCacheManager``: ``free(request)``, ``reset_prefix_cache()`` and ``block_pool.get_num_free_blocks()``
+    are called and answer the same on each) and ``self.requests`` (request id -> request): ``free`` and
+    ``reset``. ``admit`` and ``decode`` stay with each side (their block lists differ in shape)."""
+
+    manager: Any
+    requests: dict[str, Any]
+
+    def _free_count(self) -> int:
+        return int(self.manager.block_pool.get_num_free_blocks())
+
+    def free(self, rid: str) -> dict[str, Any]:
+        try:
+            self.manager.free(self.requests.pop(rid))
+            return {"num_free": self._free_count()}
+        except Exception as exc:
+            return error_obs(exc)
+
+    def reset(self) -> dict[str, Any]:
+        try:
+            return {"reset": bool(self.manager.reset_prefix_cache()), "num_free": self._free_count()}
+        except Exception as exc:
+            return error_obs(exc)
+
 def manager_config(seed: int, enable_caching: bool) -> ManagerConfig:
     rng = random.Random(f"manager-config-{seed}")
     return ManagerConfig(rng.randint(6, 24), rng.choice([1, 2, 4, 8]), enable_caching)
