@@ -915,6 +915,18 @@ def test_wire_mirrors_library_objects_by_state():
     assert trusted.mirror_states([pool]) == {}  # nothing echoes back
 
 
+def test_wire_sends_a_checks_triton_function_by_name_from_the_trusted_side_only():
+    from pagedkv.grading.lessons import l06_paged_attention_kernel as l06
+
+    name = "pagedkv.grading.lessons.l06_paged_attention_kernel:reference_kv_block_offsets"
+    trusted = wire.Codec("t", export=lambda o: {"$h": 1}, import_handle=None, exported=None)
+    sandbox = wire.Codec("s", export=lambda o: {"$h": 2}, import_handle=None, exported=None)
+    assert trusted.encode(l06.reference_kv_block_offsets) == {"$ref": name}
+    assert sandbox.decode({"$ref": name}) is l06.reference_kv_block_offsets
+    assert sandbox.encode(l06.reference_kv_block_offsets) == {"$h": 2}  # what the sandbox sends stays a handle
+    assert wire.library_jit_name(l06.with_reference_offsets(l06._probe_offsets_kernel)) is None  # not by name
+
+
 def test_remote_exceptions_keep_their_type_and_the_learners_line():
     from pagedkv.grading import remote
 

@@ -12,7 +12,8 @@ object. Values are encoded by :class:`Codec`:
   once per message under the message's ``storages`` (so views keep sharing memory, and a padded view keeps its
   padding: an out-of-bounds read lands in it, as it would in the trusted process);
 - ``{"$enum": "module:Qualname", "name": member}``, ``{"$ref": "module:qualname"}``: a class, function or enum
-  member of the library (``pagedkv.*``), found by name on the other side;
+  member of the library (``pagedkv.*``), found by name on the other side (from the trusted side, a library
+  ``@triton.jit`` function too);
 - ``{"$m": id}``: an instance of a library class, *mirrored*: each side keeps its own object for the id, and
   each message carries the state (``__dict__`` and slots) of the mirrored objects that changed since the last
   one, under ``mirrors``; the receiver updates its object in place (no code of the object's class runs);
@@ -37,6 +38,7 @@ import json
 import os
 import re
 import struct
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -147,6 +149,20 @@ def resolve_name(name: str) -> Any:
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def library_jit_name(value: Any) -> str | None:
+    """``module:qualname`` of a library ``@triton.jit`` function (a Triton ``JITFunction``, or an
+    ``InterpretedFunction`` under ``TRITON_INTERPRET=1``) defined at the top of its module, else None."""
+    kind = type(value)
+    if kind.__name__ not in ("JITFunction", "InterpretedFunction") or not kind.__module__.startswith("triton."):
+        return None
+    fn = getattr(value, "fn", None)
+    name = qualified_name(fn) if isinstance(fn, types.FunctionType) else None
+    if name is None or not is_library_module(fn.__module__) or "." in fn.__qualname__:
+        return None
+    module = sys.modules.get(fn.__module__)
+    return name if module is not None and getattr(module, fn.__qualname__, None) is value else None
 
 
 def is_library_module(module: Any) -> bool:
@@ -568,6 +584,11 @@ class Codec:
             name = qualified_name(value)
             if name is not None:
                 return {"$ref": name}
+        if self.side == "t" and library_jit_name(value) is not None:
+            # a check's own @triton.jit function put into the learner's namespace (set 06 judges exercise 2
+            # with exercise 1's answer in place of the learner's): the sandbox's copy of it, by name. Only this
+            # way: what the sandbox sends stays a handle, as before.
+            return {"$ref": library_jit_name(value)}
         if not isinstance(value, type) and _library_base(type(value), exact=False) is not None:
             # a library object, a test's subclass of one (trusted side), or a learner's (sandbox side): mirrored
             return {"$m": self._mirror_id(value)}

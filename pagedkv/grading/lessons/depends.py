@@ -13,8 +13,9 @@ happens.
 Where the later function still fails (it captured the earlier one in a default argument, or shares a helper with
 it), and the learner's earlier function fails its own check, the message says "exercise N (`name`) is failing;
 fix it first" instead of the later exercise's hint, which would mislead. Set 06 does the same for
-``kv_block_offsets`` with a re-jitted kernel (:func:`pagedkv.grading.lessons.l06_paged_attention_kernel.
-with_reference_offsets`).
+``kv_block_offsets`` with a re-jitted kernel in the notebook (:func:`pagedkv.grading.lessons.
+l06_paged_attention_kernel.with_reference_offsets`) and the same namespace swap under ``pagedkv grade``
+(:func:`pagedkv.grading.lessons.l06_paged_attention_kernel.reference_offsets_in`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ what was expected and what came back (via ``pagedkv.grading.checks.fail``, so th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 
@@ -332,6 +333,31 @@ def with_reference_offsets(kernel):
     return triton.jit(clone)
 
 
+@contextlib.contextmanager
+def reference_offsets_in(kernel, env):
+    """Under ``pagedkv grade``: while the block runs, exercise 1's answer stands in the sandbox's namespace
+    (``env``, the test's parameter: a handle to it) in place of the learner's ``kv_block_offsets``, which is
+    put back afterwards (as :func:`pagedkv.grading.lessons.depends.with_earlier_answers` does for sets 01 and
+    05). There the learner's kernel is a handle, which :func:`with_reference_offsets` cannot rebuild: it runs
+    in the sandbox and reads ``kv_block_offsets`` from that namespace. Anywhere else (the notebook, where the
+    kernel is re-jitted instead) nothing is swapped."""
+    from pagedkv.grading.lessons.depends import _is_handle
+
+    if not (_is_handle(kernel) and env is not None and _is_handle(env)):
+        yield
+        return
+    missing = "kv_block_offsets" not in env
+    saved = None if missing else env["kv_block_offsets"]
+    env["kv_block_offsets"] = reference_kv_block_offsets
+    try:
+        yield
+    finally:
+        if missing:
+            env.pop("kv_block_offsets", None)  # a handle has no del
+        else:
+            env["kv_block_offsets"] = saved
+
+
 def launch_learner_decode_v1(kernel, query, key_cache, value_cache, block_tables, seq_lens, scale=None, out=None):
     """Launch the exercise's ``paged_decode_v1_kernel(out, q, k_cache, v_cache, block_tables, seq_lens, qk_scale,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, HEAD_DIM)``; grid (B, Hq)."""
@@ -361,8 +387,10 @@ def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16, group: int = 2,
-                    dtype=torch.float32, batch_extra: int = 2) -> None:
-    """The learner's version-1 kernel against the float64 reference on a random ragged batch."""
+                    dtype=torch.float32, batch_extra: int = 2, env=None) -> None:
+    """The learner's version-1 kernel against the float64 reference on a random ragged batch. ``env``: the
+    test's namespace parameter, where exercise 1's answer goes under ``pagedkv grade``
+    (:func:`reference_offsets_in`)."""
     _require_jit(paged_decode_v1_kernel, "paged_decode_v1_kernel")
     dtype = _dtype(dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -379,7 +407,8 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
     kcp, vcp, btp = _padded(kc, float("nan")), _padded(vc, float("nan")), _padded(bt, 0)
     qp = _padded(q, float("nan"))
     out = _padded(torch.full_like(q, float("nan")), float("nan"))
-    _launch("paged_decode_v1_kernel", launch_learner_decode_v1, kernel, qp, kcp, vcp, btp, sl, out=out)
+    with reference_offsets_in(kernel, env):
+        _launch("paged_decode_v1_kernel", launch_learner_decode_v1, kernel, qp, kcp, vcp, btp, sl, out=out)
     ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
     err = relative_error(out, ref)
     if err < TOL[dtype]:
