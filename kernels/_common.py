@@ -131,19 +131,12 @@ def check_query_and_cache(
     return rows, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads
 
 
-def check_block_tables(
+def check_table_shapes(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     batch: int,
-    num_blocks: int,
-    block_size: int,
-    min_len: int = 1,
-) -> int:
-    """Check the block tables against the sequence lengths; return the longest sequence length.
-
-    Reads ``seq_lens`` and the used part of ``block_tables`` back to the host (one synchronisation), so the
-    fast paths can skip it with ``validate=False`` once the inputs are known to be good.
-    """
+) -> None:
+    """Dtypes, ranks and batch sizes of the block tables and sequence lengths (no host read); raises ValueError."""
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError(
             f"block_tables must be a 2-D int32 tensor [batch, max_blocks]; got {block_tables.dtype} "
@@ -158,6 +151,22 @@ def check_block_tables(
             f"batch sizes disagree: query has {batch} sequences, block_tables {block_tables.shape[0]}, "
             f"seq_lens {seq_lens.shape[0]}"
         )
+
+
+def check_block_tables(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    batch: int,
+    num_blocks: int,
+    block_size: int,
+    min_len: int = 1,
+) -> int:
+    """Check the block tables against the sequence lengths; return the longest sequence length.
+
+    Reads ``seq_lens`` and the used part of ``block_tables`` back to the host (one synchronisation), so the
+    fast paths can skip it with ``validate=False`` once the inputs are known to be good.
+    """
+    check_table_shapes(block_tables, seq_lens, batch)
     lens = seq_lens.cpu().long()
     if batch == 0:
         return 0

@@ -35,6 +35,7 @@ from ._common import (
     check_fp8_supported,
     check_out,
     check_query_and_cache,
+    check_table_shapes,
     contiguous_index,
     contiguous_rows,
     is_fp8,
@@ -98,20 +99,7 @@ def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, ver
     batch, _, head_dim, _, block_size, num_kv_heads = check_query_and_cache(
         query, key_cache, value_cache, {"block_tables": block_tables, "seq_lens": seq_lens}, "batch"
     )
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError(
-            f"block_tables must be a 2-D int32 tensor [batch, max_blocks]; got {block_tables.dtype} "
-            f"of shape {tuple(block_tables.shape)}"
-        )
-    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1:
-        raise ValueError(
-            f"seq_lens must be a 1-D int32 tensor [batch]; got {seq_lens.dtype} of shape {tuple(seq_lens.shape)}"
-        )
-    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
-        raise ValueError(
-            f"batch sizes disagree: query has {batch} sequences, block_tables {block_tables.shape[0]}, "
-            f"seq_lens {seq_lens.shape[0]}"
-        )
+    check_table_shapes(block_tables, seq_lens, batch)
     if out is not None:
         check_out(out, query)
     if is_fp8(key_cache.dtype) and version not in (None, *FP8_VERSIONS):
