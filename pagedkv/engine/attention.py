@@ -132,6 +132,15 @@ def _attend(
     return out.reshape(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, hq, d).to(q.dtype)
 
 
+def _gather_blocks(
+    cache: torch.Tensor,  # [N, bs, Hkv, D]
+    table: torch.Tensor,  # [..., W] int64 block ids
+) -> torch.Tensor:
+    """The blocks of ``table`` copied out of the pool, ``[..., W, bs, Hkv, D]`` (``cache[table]``; ``index_select``
+    on the flattened ids is about 4x faster on a CPU than advanced indexing)."""
+    return torch.index_select(cache, 0, table.reshape(-1)).view(*table.shape, *cache.shape[1:])
+
+
 def torch_paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     key_cache: torch.Tensor,  # [N, bs, Hkv, D]: already holds this step's K
@@ -156,14 +165,14 @@ def torch_paged_attention(
         groups = [tuple(t.to(query.device) for t in g) for g in groups]
     for tok, table, visible in groups or []:  # tok [Bg], table [Bg, W], visible [Bg, 1, W·bs]
         n, width = table.shape
-        k = key_cache[table].reshape(n, width * bs, hkv, d)  # [Bg, W·bs, Hkv, D]
-        v = value_cache[table].reshape(n, width * bs, hkv, d)
+        k = _gather_blocks(key_cache, table).reshape(n, width * bs, hkv, d)  # [Bg, W·bs, Hkv, D]
+        v = _gather_blocks(value_cache, table).reshape(n, width * bs, hkv, d)
         out[tok] = _attend(query[tok][:, None], k, v, visible, scale)[:, 0]
     for b, lo, hi, seq_len in meta.prefill_reqs:
         nblk = -(-seq_len // bs)
         table = meta.block_tables[b, :nblk].long()
-        k = key_cache[table].reshape(1, nblk * bs, hkv, d)[:, :seq_len]  # [1, L, Hkv, D]
-        v = value_cache[table].reshape(1, nblk * bs, hkv, d)[:, :seq_len]
+        k = _gather_blocks(key_cache, table).reshape(1, nblk * bs, hkv, d)[:, :seq_len]  # [1, L, Hkv, D]
+        v = _gather_blocks(value_cache, table).reshape(1, nblk * bs, hkv, d)[:, :seq_len]
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
         visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [Lq, L] causal
         out[lo:hi] = _attend(query[None, lo:hi], k, v, visible[None], scale)[0]
