@@ -58,9 +58,33 @@ fi
 exec {shlex.quote(sys.executable)} "$@"
 """,
     )
-    for tool in ("jupyter", "ruff", "pagedkv"):
+    for tool in ("ruff", "pagedkv"):
         _write_exe(venv / "bin" / tool, f'#!/usr/bin/env bash\necho "{tool} $*" >> {shlex.quote(str(log))}\n')
+    # jupyter: logs its arguments, then answers one /api/status on its port (as a started server would) and exits
+    _write_exe(
+        venv / "bin" / "jupyter",
+        f"""#!/usr/bin/env bash
+echo "jupyter $*" >> {shlex.quote(str(log))}
+exec {shlex.quote(sys.executable)} -c {shlex.quote(FAKE_SERVER)} "$@"
+""",
+    )
     return venv
+
+
+FAKE_SERVER = """
+import http.server, os, sys
+if os.environ.get("FAKE_JUPYTER_EXIT"):
+    sys.exit(int(os.environ["FAKE_JUPYTER_EXIT"]))
+args = sys.argv[1:]
+port = next((a.split("=", 1)[1] for a in args if a.startswith(("--port=", "--ServerApp.port="))), None)
+if port is None and "--port" in args:
+    port = args[args.index("--port") + 1]
+server = http.server.HTTPServer(("localhost", int(port)), http.server.BaseHTTPRequestHandler)
+server.timeout = 20
+server.RequestHandlerClass.do_GET = lambda self: (self.send_response(200), self.end_headers())
+server.RequestHandlerClass.log_message = lambda *a: None
+server.handle_request()
+"""
 
 
 def run_lab(*args: str, venv: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -226,6 +250,7 @@ def test_open_without_a_display_prints_the_url_and_does_not_open_a_browser(fake_
     assert args[0] == "lab" and "--no-browser" in args
     assert "--IdentityProvider.token=abc123" in args and "--ServerApp.port_retries=0" in args
     assert "--port=8899" in args, "the server listens where the printed URL points"
+    assert "--ServerApp.log_level=WARN" in args, "JupyterLab's own lines would show the address with token=..."
     assert "ssh -N" not in r.stdout
 
 
@@ -256,3 +281,10 @@ def test_open_passes_a_port_given_on_the_command_line_through(fake_venv: Path) -
 
 def test_ci_still_calls_lab_test() -> None:
     assert "./lab test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_open_prints_the_url_only_once_the_server_answers(fake_venv: Path) -> None:
+    r = run_lab("open", venv=fake_venv, JUPYTER_TOKEN="t", LAB_PORT="8897", FAKE_JUPYTER_EXIT="3")
+    assert r.returncode == 3, "./lab open exits with the server's status"
+    assert "starting JupyterLab on port 8897" in r.stdout
+    assert "http://localhost:8897/lab" not in r.stdout, "no URL for a server that never answered"
