@@ -1040,3 +1040,18 @@ def test_grade_notebook_here_finds_the_notebook(tmp_path, monkeypatch):
     assert progress.find_this_notebook({"__session__": str(nb)}) == nb
     monkeypatch.chdir(tmp_path)
     assert progress.find_this_notebook({}) == nb  # the only NN_*.ipynb here
+
+
+def test_the_sandbox_reopens_a_private_clones_virtual_environment(tmp_path):
+    """A clone made in a private folder (``mktemp -d`` is 0700) holds the virtual environment whose Python the
+    sandbox user runs: the sandbox must put it back inside an enterable folder, as it does for /root's Python."""
+    from pagedkv.grading.sandbox import reopen_plan
+
+    venv = tmp_path / "clone" / "lab" / ".venv"
+    venv.mkdir(parents=True)
+    (tmp_path / "clone").chmod(0o700)
+    plan = reopen_plan([venv, Path("/usr/bin")])
+    assert list(plan.values()) == [[venv]], plan
+    (closed,) = plan
+    assert closed == tmp_path / "clone" or closed in (tmp_path / "clone").parents
+    assert reopen_plan([Path("/usr/bin")]) == {}

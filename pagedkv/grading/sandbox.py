@@ -251,15 +251,34 @@ def _closed_ancestor(path: Path) -> Path | None:
     return None
 
 
-def _reopen(libc: ctypes.CDLL, stage: Path, closed: Path, keep: Path) -> None:
-    """Cover ``closed`` (e.g. /root) with an empty tmpfs that others can enter, and put ``keep`` (the Python
-    installation inside it) back at the same path: the sandbox user can run Python, and sees nothing else."""
-    stage.mkdir(parents=True, exist_ok=True)
-    if libc.mount(str(keep).encode(), str(stage).encode(), None, _MS_BIND | _MS_REC, None) != 0:
+def reopen_plan(keeps: Iterable[Path]) -> dict[Path, list[Path]]:
+    """For each folder that other users cannot enter (the topmost one above a path in ``keeps``), the paths to
+    put back inside it: ``/root`` for a pyenv Python, and the clone's own folder when it was made private (a
+    ``mktemp -d`` folder is 0700), for the virtual environment."""
+    plan: dict[Path, list[Path]] = {}
+    for keep in dict.fromkeys(keeps):
+        closed = _closed_ancestor(keep)
+        if closed is not None:
+            plan.setdefault(closed, []).append(keep)
+    return plan
+
+
+def _reopen(libc: ctypes.CDLL, stage: Path, closed: Path, keeps: list[Path]) -> None:
+    """Cover ``closed`` (e.g. /root) with an empty tmpfs that others can enter, and put each of ``keeps`` (the
+    Python installation, the virtual environment) back at its path: the sandbox user can run Python, and sees
+    nothing else there."""
+    staged = []
+    for keep in keeps:
+        at = stage / str(len(staged))
+        at.mkdir(parents=True, exist_ok=True)
+        if libc.mount(str(keep).encode(), str(at).encode(), None, _MS_BIND | _MS_REC, None) == 0:
+            staged.append((keep, at))
+    if not staged:
         return
     libc.mount(b"tmpfs", str(closed).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=64k,mode=755")
-    keep.mkdir(parents=True, exist_ok=True)
-    libc.mount(str(stage).encode(), str(keep).encode(), None, _MS_BIND | _MS_REC, None)
+    for keep, at in staged:
+        keep.mkdir(parents=True, exist_ok=True)
+        libc.mount(str(at).encode(), str(keep).encode(), None, _MS_BIND | _MS_REC, None)
     libc.mount(b"none", str(closed).encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
 
 
@@ -297,10 +316,9 @@ def _preexec(uid: int | None, memory: int, cpu_seconds: int, hide: list[str], st
             for path in hide:
                 libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, b"size=4k")
             if uid is not None and stage is not None:
-                keep = Path(sys.base_prefix).resolve()
-                closed = _closed_ancestor(keep)
-                if closed is not None:
-                    _reopen(libc, stage, closed, keep)
+                keeps = [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()]
+                for i, (closed, inside) in enumerate(reopen_plan(keeps).items()):
+                    _reopen(libc, stage / str(i), closed, inside)
     limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu_seconds), (resource.RLIMIT_CORE, 0),
               (resource.RLIMIT_FSIZE, 1 << 30)]
     if uid is not None:
