@@ -338,8 +338,11 @@ def test_bench_tiny_mode(tmp_path):
     from pagedkv.benchmarks import engine as bench
 
     path = tmp_path / "engine.json"
-    assert bench.main(["--tiny", "--json", str(path), "--plot", str(tmp_path / "engine.png")]) == 0
+    assert bench.main(["--tiny", "--vocab", "384", "--json", str(path), "--plot", str(tmp_path / "engine.png")]) == 0
     result = json.loads(path.read_text())
+    assert result["config"]["vocab_size"] == 384
+    # the LM head's share of a decode token's multiply-adds: 64·384 of 2·(64·16·(2·4 + 2·2) + 3·64·128) + 64·384
+    assert result["config"]["lm_head_share"] == round(64 * 384 / (2 * (64 * 16 * 12 + 3 * 64 * 128) + 64 * 384), 4)
     assert [r["impl"] for r in result["rows"]] == list(bench.IMPLS)
     assert all(r["tokens_per_s"] > 0 and r["match"] == 1.0 for r in result["rows"])
     assert result["config"]["kv_budget_tokens"] > 0 and (tmp_path / "engine.png").stat().st_size > 0

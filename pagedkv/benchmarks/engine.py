@@ -16,11 +16,15 @@ length (prompt + new tokens, unpadded): the paged engines hold all of them at on
 reserves the padded length for every row, holds fewer per batch. vLLM measures the same thing with
 ``vllm bench throughput`` (``vllm/benchmarks/throughput.py``).
 
-The default is the CPU configuration (a tiny seeded Llama in fp32), run with one torch thread (``--threads``):
-at these sizes every operation is small, and on a shared machine a second OpenMP thread mostly waits for a core
+The default is the CPU configuration (a tiny seeded Llama in fp32), run with one torch thread (``--threads``).
+Its vocabulary, 4,096 tokens, keeps the LM head's share of a decode token's multiply-adds where real small
+models have it (``lm_head_share``: 27% here; Qwen2.5-0.5B 28%, Llama-3.2-1B and SmolLM2-135M 21%). With
+Llama-2's 32,000 tokens on 256 hidden units it would be 74%, and every implementation would spend most of its
+time in the one matrix product they all share; ``--vocab 32000`` measures that too. One thread, because at
+these sizes every operation is small, and on a shared machine a second OpenMP thread mostly waits for a core
 (measured on a busy 2-core box: one decode step 15-40x slower with two threads than with one, for every
-implementation alike). ``--gpu`` is the prepared GPU run: a
-~1B-parameter Llama-shaped model (random weights, bf16), 256 prompts, CUDA graphs, a few minutes on one GPU.
+implementation alike). ``--gpu`` is the prepared GPU run: a ~1B-parameter Llama-shaped model (random weights,
+bf16), 256 prompts, CUDA graphs, a few minutes on one GPU.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class BenchConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     intermediate_size: int = 688
-    vocab_size: int = 32000
+    vocab_size: int = 4096
     num_prompts: int = 64
     min_prompt_len: int = 20
     max_prompt_len: int = 200
@@ -80,6 +84,16 @@ class BenchConfig:
                    intermediate_size=8192, vocab_size=128256, num_prompts=256, min_prompt_len=20,
                    max_prompt_len=200, max_new_tokens=128, max_num_batched_tokens=8192, dtype="bfloat16",
                    device="cuda", threads=None, impls=["hf_static_batch", "hf_generate_batch", "pagedkv"])
+
+
+def lm_head_share(cfg: BenchConfig) -> float:
+    """The LM head's share of the multiply-adds of one decode token (the layers' projections and MLP, plus the
+    head; attention over the context left out)."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    attn = cfg.hidden_size * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)  # q, o, k, v
+    layer = attn + 3 * cfg.hidden_size * cfg.intermediate_size
+    head = cfg.hidden_size * cfg.vocab_size
+    return head / (cfg.num_hidden_layers * layer + head)
 
 
 def build_model(cfg: BenchConfig) -> torch.nn.Module:
@@ -263,6 +277,7 @@ def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
     config = {
         **asdict(cfg),
         "kv_budget_tokens": budget,
+        "lm_head_share": round(lm_head_share(cfg), 4),
         "reference_impl": cfg.impls[0],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -284,6 +299,9 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"{c['num_prompts']} prompts of {c['min_prompt_len']}-{c['max_prompt_len']} tokens, "
                  f"{c['max_new_tokens']} new tokens each, KV budget {c['kv_budget_tokens']} tokens, "
                  f"{c['dtype']} on {c['gpu'] or c['device']}; match = same tokens as {c['reference_impl']}")
+    lines.append(f"model: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, vocabulary {c['vocab_size']:,} "
+                 f"(LM head {c['lm_head_share']:.0%} of a decode token's multiply-adds), "
+                 f"{c['num_threads']} torch thread(s)")
     return "\n".join(lines)
 
 
@@ -318,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--gpu", action="store_true", help="the prepared GPU run (~1B Llama shape, bf16, CUDA)")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, help="run only these")
     parser.add_argument("--threads", type=int, help="torch threads on a CPU (default 1; 0: torch's default)")
+    parser.add_argument("--vocab", type=int, metavar="N", help="the model's vocabulary size (default: the size's own)")
     args = parser.parse_args(argv)
     cfg = BenchConfig.tiny() if args.tiny else BenchConfig.gpu() if args.gpu else BenchConfig()
     if args.gpu and not torch.cuda.is_available():
@@ -326,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg.impls = list(args.impls)
     if args.threads is not None:
         cfg.threads = args.threads or None
+    if args.vocab is not None:
+        if args.vocab < 2:
+            parser.error("--vocab must be at least 2")
+        cfg.vocab_size = args.vocab
     with hide_repo_kernels():
         result = run(cfg)
     print(format_table(result))

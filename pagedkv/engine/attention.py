@@ -21,6 +21,7 @@ kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -51,9 +52,8 @@ class AttentionMetadata:
     decode_req_idx: torch.Tensor | None = None  # [Bd] int64: the requests with q_len == 1
     prefill_reqs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (b, lo, hi, seq_len)
     decode_version: int | None = None  # the Triton decode kernel for decode-only steps (None: its choice)
-    # The torch backend's decode groups, built once per step (None: one group of decode_req_idx):
-    # (token index [Bg], block table [Bg, W] int64, visible [Bg, 1, W·bs] bool) per group.
-    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # The torch backend's decode groups, built once per step (None: one group of all of decode_req_idx)
+    decode_groups: list[DecodeGroup] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -64,6 +64,15 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+class DecodeGroup(NamedTuple):
+    """Decode requests of similar length, attended together in one call by the torch backend."""
+
+    tokens: torch.Tensor  # [Bg] int64: the packed index of each request's one new token
+    block_ids: torch.Tensor  # [Bg·W] int64: each request's first W block ids, flattened (null-padded)
+    width: int  # W: blocks gathered per request (enough for the group's longest)
+    visible: torch.Tensor  # [Bg, 1, 1, W·bs] bool: key slot j < the request's seq_len
+
+
 def make_decode_groups(
     decode_req_idx: list[int],
     seq_lens: list[int],
@@ -72,11 +81,10 @@ def make_decode_groups(
     block_size: int,
     max_groups: int = 4,
     min_group: int = 8,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+) -> list[DecodeGroup]:
     """Split the decode requests, sorted by length, into up to ``max_groups`` groups of at least ``min_group``:
     each group is gathered only as wide as its own longest request, so short requests do not pay for the
-    longest one's padding. Returns ``(token index, block table, visible)`` per group (see
-    :class:`AttentionMetadata`)."""
+    longest one's padding. Built once per step on the host; every layer reuses it."""
     order = sorted(decode_req_idx, key=lambda b: seq_lens[b])
     n_groups = max(1, min(max_groups, len(order) // min_group))
     groups = []
@@ -86,10 +94,10 @@ def make_decode_groups(
             continue
         lens = torch.tensor([seq_lens[b] for b in members])
         width = -(-int(lens.max()) // block_size)
-        table = block_tables[torch.tensor(members), :width].long()  # [Bg, W]
-        visible = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, :]  # [Bg, 1, W·bs]
-        tok = torch.tensor([query_start_loc[b] for b in members])  # [Bg]
-        groups.append((tok, table, visible))
+        block_ids = block_tables[torch.tensor(members), :width].long().reshape(-1)  # [Bg·W]
+        visible = torch.arange(width * block_size)[None, :] < lens[:, None]  # [Bg, W·bs]
+        tokens = torch.tensor([query_start_loc[b] for b in members])  # [Bg]
+        groups.append(DecodeGroup(tokens, block_ids, width, visible[:, None, None, :]))
     return groups
 
 
@@ -157,17 +165,21 @@ def torch_paged_attention(
     """
     out = torch.empty_like(query)
     bs = key_cache.shape[1]
-    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    hq, hkv, d = query.shape[1], key_cache.shape[2], key_cache.shape[3]
     groups = meta.decode_groups
     if groups is None and meta.decode_req_idx is not None and meta.decode_req_idx.numel():
         groups = make_decode_groups(meta.decode_req_idx.tolist(), meta.seq_lens.tolist(), meta.block_tables.cpu(),
                                     meta.query_start_loc.tolist(), bs, max_groups=1)
-        groups = [tuple(t.to(query.device) for t in g) for g in groups]
-    for tok, table, visible in groups or []:  # tok [Bg], table [Bg, W], visible [Bg, 1, W·bs]
-        n, width = table.shape
-        k = _gather_blocks(key_cache, table).reshape(n, width * bs, hkv, d)  # [Bg, W·bs, Hkv, D]
-        v = _gather_blocks(value_cache, table).reshape(n, width * bs, hkv, d)
-        out[tok] = _attend(query[tok][:, None], k, v, visible, scale)[:, 0]
+        groups = [DecodeGroup(*(t.to(query.device) if isinstance(t, torch.Tensor) else t for t in g)) for g in groups]
+    for grp in groups or []:
+        n, length = grp.tokens.numel(), grp.width * bs
+        k = _gather_blocks(key_cache, grp.block_ids).view(n, length, hkv, d).transpose(1, 2)  # [Bg, Hkv, L, D]
+        v = _gather_blocks(value_cache, grp.block_ids).view(n, length, hkv, d).transpose(1, 2)
+        # query head h·G + i reads KV head h (transformers' repeat_kv order): a view, no copy of K or V
+        q = query.index_select(0, grp.tokens).view(n, hkv, hq // hkv, d)  # [Bg, Hkv, G, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=grp.visible, scale=scale)  # [Bg, Hkv, G, D]
+        out.index_copy_(0, grp.tokens, o.reshape(n, hq, d).to(out.dtype))
     for b, lo, hi, seq_len in meta.prefill_reqs:
         nblk = -(-seq_len // bs)
         table = meta.block_tables[b, :nblk].long()

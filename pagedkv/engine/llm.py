@@ -385,7 +385,7 @@ class LLM:
                 rows.append(row)
                 params.append(cparams)
                 gens.append(make_generator(cparams.seed, self.device) if cparams.seed is not None else None)
-        tokens = self.sampler(logits[rows] if rows else logits, params, gens)
+        tokens = self.sampler(logits if rows == list(range(len(req_ids))) else logits[rows], params, gens)
 
         sampled: dict[str, int] = {}
         k = 0

@@ -8,9 +8,10 @@ blocks) and, each step:
    ``blocks_to_swap_in`` (CPU → GPU), ``blocks_to_copy`` (copy-on-write, GPU → GPU);
 2. flattens every scheduled token (prefill chunks and decodes mixed) into one packed batch with
    :func:`prepare_inputs`: input ids, positions, slot mapping, block tables, sequence lengths;
-3. runs transformers' own model on it once, attention set to ``"pagedkv"`` (:mod:`pagedkv.engine.attention`),
-   the per-step metadata passed as a forward keyword argument;
-4. returns the logits at the last scheduled token of each request whose chunk reached its end.
+3. runs transformers' own decoder (``model.base_model``) on it once, attention set to ``"pagedkv"``
+   (:mod:`pagedkv.engine.attention`), the per-step metadata passed as a forward keyword argument;
+4. applies the LM head to the last scheduled token of each request whose chunk reached its end, and to no
+   other row (``compute_logits``), and returns those logits.
 
 Decode-only steps on CUDA replay a CUDA graph captured for the next batch-size bucket (:class:`CUDAGraphRunner`).
 Mirrors vLLM 0.26's ``GPUModelRunner`` (``vllm/v1/worker/gpu_model_runner.py``: ``_prepare_inputs``,
@@ -26,7 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
+from pagedkv.engine.attention import (
+    ATTN_IMPLEMENTATION,
+    METADATA_KWARG,
+    AttentionMetadata,
+    DecodeGroup,
+    make_decode_groups,
+)
 from pagedkv.sched_output import SchedulerOutput
 
 
@@ -280,6 +287,7 @@ class ModelRunner:
                 warnings.warn(f"CUDA-graph capture failed ({type(exc).__name__}: {exc}); decode runs eagerly",
                               stacklevel=2)
         self.last_inputs: ModelInputs | None = None  # the latest step's flattened inputs (for lessons)
+        self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the GPU-side KV cache (all layers, K and V)."""
@@ -312,9 +320,7 @@ class ModelRunner:
         ``FlashAttentionMetadataBuilder.build``."""
         dev = self.device
         width = max(len(t) for t in inputs.block_tables)
-        tables = torch.zeros(len(inputs.block_tables), width, dtype=torch.int32)
-        for i, t in enumerate(inputs.block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32)  # [B, W]
         qsl = inputs.query_start_loc
         decodes = [b for b in range(len(inputs.req_ids)) if qsl[b + 1] - qsl[b] == 1]
         prefills = [(b, qsl[b], qsl[b + 1], inputs.seq_lens[b]) for b in range(len(inputs.req_ids))
@@ -331,10 +337,25 @@ class ModelRunner:
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
             decode_groups=None if self.backend == "triton" or not decodes else [
-                tuple(t.to(dev) for t in g)
+                DecodeGroup(g.tokens.to(dev), g.block_ids.to(dev), g.width, g.visible.to(dev))
                 for g in make_decode_groups(decodes, inputs.seq_lens, tables, qsl, self.block_size)
             ],
         )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on the sampled positions, ``hidden [S, H]`` -> ``[S, V]``, written into one buffer kept
+        across steps (a fresh ``[S, V]`` tensor every step costs a CPU thousands of page faults). The result is
+        valid until the next step: copy it to keep it. Mirrors ``LlamaForCausalLM.compute_logits``
+        (``vllm/model_executor/models/llama.py``), which applies ``LogitsProcessor``
+        (``vllm/model_executor/layers/logits_processor.py``) to the sampled rows only."""
+        head = self.model.get_output_embeddings()
+        s, v = hidden.shape[0], head.weight.shape[0]
+        if self._logits is None or self._logits.shape[0] < s:
+            self._logits = torch.empty(max(s, 64), v, dtype=head.weight.dtype, device=hidden.device)
+        out = torch.mm(hidden, head.weight.t(), out=self._logits[:s])  # [S, V]
+        if getattr(head, "bias", None) is not None:
+            out += head.bias
+        return out
 
     @torch.no_grad()
     def execute_model(
@@ -342,7 +363,8 @@ class ModelRunner:
     ) -> tuple[list[str], torch.Tensor]:
         """Run one step: block moves, then one forward over every scheduled token. Returns
         ``(sample_req_ids, logits [S, V])``: the logits after the last scheduled token of each request whose
-        chunk reached the end of its tokens (partial prefills get none). Mirrors ``GPUModelRunner.execute_model``.
+        chunk reached the end of its tokens (partial prefills get none), valid until the next step (they live in
+        :meth:`compute_logits`' buffer). Mirrors ``GPUModelRunner.execute_model``.
         """
         self.execute_block_moves(scheduler_output)
         if scheduler_output.is_empty():
@@ -356,7 +378,7 @@ class ModelRunner:
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
         keep = torch.tensor(inputs.logits_indices, dtype=torch.long, device=self.device)  # [S]
         with attn_implementation(self.model, ATTN_IMPLEMENTATION):
-            out = self.model(
-                input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep, **{METADATA_KWARG: meta}
-            )
-        return inputs.sample_req_ids, out.logits[0]  # [S, V]
+            hidden = self.model.base_model(
+                input_ids=ids, position_ids=pos, use_cache=False, **{METADATA_KWARG: meta}
+            ).last_hidden_state  # [1, T, H]
+        return inputs.sample_req_ids, self.compute_logits(hidden[0, keep])  # [S, V]
