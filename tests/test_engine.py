@@ -213,6 +213,18 @@ def test_seeded_sampling_reproducible_and_unchanged_by_preemption(llama, prompts
     assert toks != [o.outputs[0].token_ids for o in greedy]  # it really sampled
 
 
+def test_sampling_params_follow_vllm():
+    from pagedkv.engine.sampling_params import MIN_TEMPERATURE
+
+    greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5)
+    assert greedy.is_greedy and (greedy.top_k, greedy.top_p) == (0, 1.0)
+    assert SamplingParams(temperature=1e-6).temperature == MIN_TEMPERATURE == 1e-2
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=3).for_child(2).seed == 5
+    for bad in (2.5, float("inf"), float("nan"), -0.1):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+
+
 def test_sampler_top_k_and_top_p_limits():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
