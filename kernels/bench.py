@@ -38,7 +38,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import timeit
@@ -48,6 +47,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.attention import ref_paged_attention_decode, ref_paged_prefill_attention, relative_error
+from pagedkv.benchmarks.provenance import git_commit
 
 from . import _common
 from .cache import reshape_and_cache
@@ -77,18 +77,6 @@ INTERPRETER_LABEL = (
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kernels", "pagedkv"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+local changes" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -685,7 +673,7 @@ def main(argv: list[str] | None = None) -> dict:
     import triton
 
     result["meta"] = {
-        "mode": mode, "device": _device_name(device), "when": _now(), "commit": _commit(),
+        "mode": mode, "device": _device_name(device), "when": _now(), "commit": git_commit(),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "cuda": torch.version.cuda, "num_sms": result["num_sms"], "seconds": round(time.perf_counter() - t0, 1),
         "model": {"num_q_heads": model[0], "num_kv_heads": model[1], "head_dim": model[2], "block_size": model[3]},

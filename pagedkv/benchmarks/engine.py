@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from pagedkv.benchmarks.provenance import git_commit
+
 IMPLS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "pagedkv")
 
 
@@ -280,14 +282,28 @@ def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
         "lm_head_share": round(lm_head_share(cfg), 4),
         "reference_impl": cfg.impls[0],
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model(),
+        "cpu_count": os.cpu_count(),
         "num_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None,
     }
     return {"rows": rows, "config": config}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` where there is one), else the machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -15,8 +15,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy (argmax; ``top_k`` and ``top_p`` are then reset to "no limit"); a
     temperature in ``(0, 0.01)`` is raised to 0.01; at most 2. ``top_k`` 0 (or -1) keeps every token; ``top_p``
     1.0 keeps the whole distribution. ``seed`` gives the request its own ``torch.Generator``, so its samples
-    do not depend on what else is in the batch or on preemption (-1: no seed). ``n`` completions per prompt. Generation stops at
-    ``max_tokens``, at the model's EOS token (unless ``ignore_eos``) or at any of ``stop_token_ids``.
+    do not depend on what else is in the batch or on preemption (-1: no seed). ``n`` completions per prompt.
+    Generation stops at ``max_tokens``, at the model's EOS token (unless ``ignore_eos``) or at any of
+    ``stop_token_ids``.
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 

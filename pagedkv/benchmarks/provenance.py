@@ -1,0 +1,21 @@
+"""Where a measurement comes from: the commit it was taken at (written into every benchmark's JSON)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def git_commit(paths: tuple[str, ...] = ("kernels", "pagedkv")) -> str:
+    """The short commit of this checkout, with ``+local changes`` when ``paths`` have uncommitted changes;
+    ``"unknown"`` outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", *paths],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+local changes" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
