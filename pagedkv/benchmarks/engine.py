@@ -336,7 +336,8 @@ def plot(result: dict[str, Any], path: str | None = None):
     ax.invert_yaxis()
     c = result["config"]
     ax.set_title(f"{c['num_prompts']} prompts, {c['max_new_tokens']} new tokens, same KV budget "
-                 f"({c['gpu'] or c['device']})", fontsize=9)
+                 f"({c['gpu'] or c['device']}; Llama, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+                 f"vocabulary {c['vocab_size']:,})", fontsize=8)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=120)
