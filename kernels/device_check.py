@@ -7,14 +7,21 @@ On a CUDA machine it runs, within a time budget (6 minutes by default), and in t
 3. lesson 6's cells (``notebooks/06_paged_attention_kernel.ipynb``, executed into a copy; the lesson
    file itself is not touched),
 
+and, with ``--with-engine``, then
+
+4. the engine's GPU tests (``tests/test_engine.py -m gpu``: the Triton backend eager and with CUDA graphs,
+   token for token against transformers);
+5. the engine's GPU benchmark, ``python -m pagedkv.benchmarks.engine --gpu`` (~1B Llama shape, bf16),
+
 and writes ``device_check.json`` (each step's command, exit status, seconds and output tail) plus the
-benchmark's JSON and plots into ``benchmarks/results/gpu/<date>-<gpu>-device-check/``. Each step gets
+benchmarks' JSON and plots into ``benchmarks/results/gpu/<date>-<gpu>-device-check/``. Each step gets
 what is left of the budget; a step that runs out is stopped and recorded as timed out, and the check
 exits non-zero if any step failed.
 
     python -m pagedkv.kernels.device_check               # on a GPU
     python -m pagedkv.kernels.device_check --dry-run     # anywhere: print the plan, run nothing
     python -m pagedkv.kernels.device_check --skip lesson --budget 300 --out DIR
+    python -m pagedkv.kernels.device_check --with-engine --budget 570   # all five, one 10-minute command
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = ("tests", "bench", "lesson")
+STEPS = ("tests", "bench", "lesson", "engine-tests", "engine-bench")
+ENGINE_STEPS = ("engine-tests", "engine-bench")
 ROOT = Path(__file__).resolve().parents[1]  # the source checkout (kernels/ sits at its top level)
 LESSON = ROOT / "notebooks" / "06_paged_attention_kernel.ipynb"
 DEFAULT_BUDGET_S = 360
@@ -43,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default: benchmarks/results/gpu/<date>-<gpu>-device-check)")
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the kernel tests")
+    p.add_argument("--with-engine", action="store_true",
+                   help="also run the engine's GPU tests and its GPU benchmark (lesson 7), after the kernel steps")
     p.add_argument("--dry-run", action="store_true", help="print the steps and the folder; run nothing")
     args = p.parse_args(argv)
     if args.budget < 30:
@@ -65,8 +75,13 @@ def plan(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, list[str]]]
         "lesson": [py, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(LESSON),
                    "--output-dir", str(out_dir), "--output", "06_paged_attention_kernel.executed.ipynb",
                    "--ExecutePreprocessor.timeout=300"],
+        "engine-tests": [py, "-m", "pytest", str(ROOT / "tests" / "test_engine.py"), "-q", "-p", "no:cacheprovider",
+                         "-m", "gpu"],
+        "engine-bench": [py, "-m", "pagedkv.benchmarks.engine", "--gpu", "--json", str(out_dir / "engine_gpu.json"),
+                         "--plot", str(out_dir / "engine_gpu.png")],
     }
-    return [(name, cmd) for name, cmd in steps.items() if name not in args.skip]
+    skip = set(args.skip) | (set() if args.with_engine else set(ENGINE_STEPS))
+    return [(name, cmd) for name, cmd in steps.items() if name not in skip]
 
 
 def _gpu_name() -> str | None:

@@ -888,6 +888,10 @@ def test_device_check_dry_run_and_arguments(capsys, tmp_path):
     assert not (tmp_path / "x").exists(), "a dry run writes nothing"
     args = dc.parse_args(["--skip", "lesson", "--skip", "tests", "--budget", "120"])
     assert [name for name, _ in dc.plan(args, tmp_path)] == ["bench"] and args.budget == 120
+    assert "engine-tests" not in printed, "the engine steps are opt-in"
+    steps = dict(dc.plan(dc.parse_args(["--with-engine", "--skip", "bench"]), tmp_path))
+    assert list(steps) == ["tests", "lesson", "engine-tests", "engine-bench"]
+    assert "--gpu" in steps["engine-bench"] and str(tmp_path / "engine_gpu.json") in steps["engine-bench"]
     for bad in (["--budget", "5"], ["--skip", "everything"], ["--workers", "0"]):
         with pytest.raises(SystemExit):
             dc.parse_args(bad)
