@@ -171,6 +171,32 @@ def test_triton_backend_on_cuda_matches_hf(enforce_eager):
     assert llm.scheduler.num_preemptions > 0
 
 
+def test_loads_a_local_folder_with_and_without_a_tokenizer(llama, prompts, llama_refs, tmp_path):
+    """``LLM("path")``: a ``save_pretrained`` folder; text prompts and ``.text`` when the folder has a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    llama.save_pretrained(tmp_path / "bare")
+    llm = LLM(str(tmp_path / "bare"), num_gpu_blocks=200, block_size=8)
+    assert llm.tokenizer is None and llm.device.type == "cpu"
+    outputs = llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+    assert_matches_hf(outputs, llama_refs[:4], "from a folder")
+    assert all(c.text is None for o in outputs for c in o.outputs)
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        llm.generate("w1 w2", GREEDY, use_tqdm=False)
+
+    words = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    llama.save_pretrained(tmp_path / "full")
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "full")
+    llm = LLM(str(tmp_path / "full"), num_gpu_blocks=200, block_size=8)
+    text = " ".join(f"w{t}" for t in prompts[0])
+    (out,) = llm.generate(text, GREEDY, use_tqdm=False)
+    assert out.prompt == text and out.prompt_token_ids == prompts[0]
+    assert out.outputs[0].text == " ".join(f"w{t}" for t in out.outputs[0].token_ids)
+    assert_matches_hf([out], llama_refs[:1], "text prompt")
+
+
 def test_prefix_caching_shared_system_prompt(llama):
     system = [7] * 5 + list(range(100, 131))  # 36 shared tokens
     ps = make_prompts(6, lo=2, hi=12, seed=5, prefix=system)
