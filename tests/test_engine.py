@@ -195,6 +195,12 @@ def test_loads_a_local_folder_with_and_without_a_tokenizer(llama, prompts, llama
     assert out.prompt == text and out.prompt_token_ids == prompts[0]
     assert out.outputs[0].text == " ".join(f"w{t}" for t in out.outputs[0].token_ids)
     assert_matches_hf([out], llama_refs[:1], "text prompt")
+    # vLLM's dict prompts: TextPrompt and TokensPrompt, mixed with the plain forms
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": prompts[1]}, prompts[2]], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts[:3] and outs[0].prompt == text and outs[1].prompt is None
+    assert_matches_hf(outs, llama_refs[:3], "dict prompts")
+    with pytest.raises(ValueError, match="one key"):
+        llm.generate([{"prompt_token_ids": prompts[0], "extra": 1}], GREEDY, use_tqdm=False)
 
 
 def test_prefix_caching_shared_system_prompt(llama):

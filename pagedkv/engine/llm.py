@@ -12,7 +12,7 @@ The scheduler, KV cache manager and block pool are the lesson 2-4 classes, uncha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,14 +245,26 @@ class LLM:
     # Requests
     # ------------------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Any) -> tuple[list[list[int]], list[str | None]]:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and all(map(_is_int, prompts))):
+        """Each prompt's token ids and text. A prompt is a string, a list of token ids, or vLLM's dict forms
+        ``{"prompt": text}`` (``TextPrompt``) and ``{"prompt_token_ids": ids}`` (``TokensPrompt``)."""
+        if isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, Sequence) and prompts and all(map(_is_int, prompts))):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
-            raise ValueError("prompts must be a string, a list of token ids, or a list of those")
+            raise ValueError("prompts must be a string, a list of token ids, a {'prompt_token_ids': ...} or "
+                             "{'prompt': ...} dict, or a list of those")
         ids: list[list[int]] = []
         texts: list[str | None] = []
         vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
+            if isinstance(p, Mapping):
+                if set(p) == {"prompt_token_ids"}:
+                    p = p["prompt_token_ids"]
+                elif set(p) == {"prompt"} and isinstance(p["prompt"], str):
+                    p = p["prompt"]
+                else:
+                    raise ValueError(f"prompt {i}: a dict prompt has one key, 'prompt_token_ids' (a list of token "
+                                     f"ids) or 'prompt' (a string); got keys {sorted(map(str, p))}")
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("text prompts need a tokenizer; this model has none: pass token ids")
