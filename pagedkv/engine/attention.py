@@ -21,7 +21,6 @@ kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -64,13 +63,18 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-class DecodeGroup(NamedTuple):
+@dataclass
+class DecodeGroup:
     """Decode requests of similar length, attended together in one call by the torch backend."""
 
     tokens: torch.Tensor  # [Bg] int64: the packed index of each request's one new token
     block_ids: torch.Tensor  # [Bg·W] int64: each request's first W block ids, flattened (null-padded)
     width: int  # W: blocks gathered per request (enough for the group's longest)
     visible: torch.Tensor  # [Bg, 1, 1, W·bs] bool: key slot j < the request's seq_len
+
+    def to(self, device: torch.device | str) -> DecodeGroup:
+        """The same group with its tensors on ``device``."""
+        return DecodeGroup(self.tokens.to(device), self.block_ids.to(device), self.width, self.visible.to(device))
 
 
 def make_decode_groups(
@@ -170,7 +174,7 @@ def torch_paged_attention(
     if groups is None and meta.decode_req_idx is not None and meta.decode_req_idx.numel():
         groups = make_decode_groups(meta.decode_req_idx.tolist(), meta.seq_lens.tolist(), meta.block_tables.cpu(),
                                     meta.query_start_loc.tolist(), bs, max_groups=1)
-        groups = [DecodeGroup(*(t.to(query.device) if isinstance(t, torch.Tensor) else t for t in g)) for g in groups]
+        groups = [g.to(query.device) for g in groups]
     for grp in groups or []:
         n, length = grp.tokens.numel(), grp.width * bs
         k = _gather_blocks(key_cache, grp.block_ids).view(n, length, hkv, d).transpose(1, 2)  # [Bg, Hkv, L, D]

@@ -27,13 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.engine.attention import (
-    ATTN_IMPLEMENTATION,
-    METADATA_KWARG,
-    AttentionMetadata,
-    DecodeGroup,
-    make_decode_groups,
-)
+from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
 from pagedkv.sched_output import SchedulerOutput
 
 
@@ -337,8 +331,7 @@ class ModelRunner:
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
             decode_groups=None if self.backend == "triton" or not decodes else [
-                DecodeGroup(g.tokens.to(dev), g.block_ids.to(dev), g.width, g.visible.to(dev))
-                for g in make_decode_groups(decodes, inputs.seq_lens, tables, qsl, self.block_size)
+                g.to(dev) for g in make_decode_groups(decodes, inputs.seq_lens, tables, qsl, self.block_size)
             ],
         )
 
