@@ -8,6 +8,7 @@ near-tie); every accepted case is reported.
 from __future__ import annotations
 
 import random
+import types
 import warnings
 
 import pytest
@@ -294,15 +295,22 @@ def test_stop_token_ids_and_eos(llama, prompts, llama_refs):
                        use_tqdm=False)[0].outputs[0]
     first = llama_refs[0][0].index(stop)
     assert out.token_ids == llama_refs[0][0][: first + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop  # vLLM's stop_reason: the stop token id
     llama.generation_config.eos_token_id = stop
     try:
         eos = LLM(llama, num_gpu_blocks=200, block_size=8)
-        assert eos.generate(prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == out.token_ids
+        by_eos = eos.generate(prompts[0], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert by_eos.token_ids == out.token_ids
+        # no tokenizer, so no tokenizer EOS: vLLM counts the generation config's EOS among the stop tokens
+        assert by_eos.stop_reason == stop
+        eos.tokenizer = types.SimpleNamespace(eos_token_id=stop, decode=lambda ids, **kw: "")
+        assert eos.generate(prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].stop_reason is None  # the EOS
         capped = eos.generate(prompts[0], SamplingParams(max_tokens=first + 1, temperature=0.0), use_tqdm=False)
         assert capped[0].outputs[0].finish_reason == "stop"  # the stop token outranks max_tokens
         ignored = eos.generate(prompts[0], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)[0].outputs[0]
         assert ignored.token_ids == llama_refs[0][0] and ignored.finish_reason == "length"
+        assert ignored.stop_reason is None
     finally:
         llama.generation_config.eos_token_id = None
 

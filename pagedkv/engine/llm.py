@@ -62,6 +62,7 @@ class _Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     stop_ids: frozenset[int]
+    stop_reason: int | None = None  # the stop token that ended it; None for EOS or any other end
     num_cached_tokens: int | None = None  # prefix-cache hit length at first admission
     children: list[tuple[str, SamplingParams]] = field(default_factory=list)  # to fork after the first sample
 
@@ -414,11 +415,19 @@ class LLM:
         for rid, token in sampled.items():
             request = seqs[rid].request
             if token in seqs[rid].stop_ids:  # a stop token outranks max_tokens (vLLM's check_stop)
+                self._set_stop_reason(seqs[rid], token)
                 if not request.is_finished():
                     self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
                 elif request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
                     request.status = RequestStatus.FINISHED_STOPPED
         return [rid for rid, seq in seqs.items() if seq.request.is_finished()]
+
+    def _set_stop_reason(self, seq: _Sequence, token: int) -> None:
+        """vLLM's ``stop_reason``: ``None`` for the tokenizer's EOS token (vLLM's ``eos_token_id``; unless
+        ``ignore_eos``), the token id for any other stop token (``stop_token_ids`` and the generation config's
+        other EOS ids, which vLLM adds to them). Mirrors ``check_stop`` (``vllm/v1/core/sched/utils.py``)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        seq.stop_reason = None if token == eos and not seq.params.ignore_eos else token
 
     def _fork(self, parent: _Sequence, cid: str, params: SamplingParams, gen: torch.Generator | None, token: int,
               seqs: dict[str, _Sequence]) -> None:
@@ -441,6 +450,7 @@ class LLM:
         reason = None
         if token in child.stop_ids:
             reason = RequestStatus.FINISHED_STOPPED
+            self._set_stop_reason(child, token)
         elif child.request.num_output_tokens >= child.request.max_tokens:
             reason = RequestStatus.FINISHED_LENGTH_CAPPED
         if forked:
@@ -466,7 +476,7 @@ class LLM:
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             out.outputs.append(CompletionOutput(seq.index, text, list(req.output_token_ids),
-                                                req.get_finished_reason(), req.num_preemptions))
+                                                req.get_finished_reason(), seq.stop_reason, req.num_preemptions))
             out.num_preemptions += req.num_preemptions
             if seq.index == 0:
                 out.num_cached_tokens = seq.num_cached_tokens or 0

@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     """One of a prompt's ``n`` completions: its tokens, their text (when a tokenizer exists) and why it
-    stopped (``"length"``: ``max_tokens`` reached; ``"stop"``: EOS or a stop token; ``"abort"``).
+    stopped (``"length"``: ``max_tokens`` reached; ``"stop"``: EOS or a stop token; ``"abort"``);
+    ``stop_reason`` is the stop token id that ended it (``None`` for the tokenizer's EOS or a length cap).
     ``num_preemptions`` counts how often this sequence was preempted (lab addition)."""
 
     index: int
     text: str | None
     token_ids: list[int]
     finish_reason: str | None
+    stop_reason: int | None = None
     num_preemptions: int = 0
 
     def finished(self) -> bool:
