@@ -29,8 +29,9 @@ lab's engine takes ``num_gpu_blocks`` for the same purpose.
 (:data:`CPU_TOTAL_MEMORY`), because a CPU has no device memory of its own to profile.
 
 The exercise set asks for ``kv_page_bytes``, ``num_gpu_blocks`` and a prediction like ``analytic_profile``; the
-library's own callers use private twins (``_num_gpu_blocks``, ...), so that hiding the public answers while
-grading leaves :func:`profile` working.
+library's own callers use private twins (``_num_gpu_blocks``, ...), so that the public answers can be hidden
+while one exercise is graded and :func:`profile` still works in the others. The grader hides an exercise's
+twins with its answers (``pagedkv.grading.sandbox.with_private_twins``).
 """
 
 from __future__ import annotations

@@ -976,6 +976,45 @@ def test_sandbox_stubs_the_reference_in_its_copy(tmp_path):
     assert "def get_new_blocks" in pool and "not available while grading" in pool
 
 
+def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
+    """Set 05: the library keeps private twins of the graded functions (``sizing._num_gpu_blocks``) for its own
+    callers. A learner's function that returns the twin's answer scores what the untouched stub scores."""
+    from pagedkv.grading import sandbox
+
+    questions = {q.name: q for q in worker.load_tests(ROOT / "grading" / "autograder" / "05_sizing_the_pool.zip")}
+    assert "pagedkv.sizing._num_gpu_blocks" in questions["num_gpu_blocks"].reference
+    assert "pagedkv.sizing._analytic_profile" in questions["predict_num_gpu_blocks"].reference
+    sandbox.copy_library(tmp_path / "copy", questions["num_gpu_blocks"].reference)
+    text = (tmp_path / "copy" / "pagedkv" / "sizing.py").read_text()
+    assert "'pagedkv.sizing._num_gpu_blocks' + ' is not available while grading" in text
+
+    nb = json.loads((ROOT / "exercises" / "05_sizing_the_pool.ipynb").read_text())
+    twins = {
+        "num_gpu_blocks": "def num_gpu_blocks(*args):\n    from pagedkv.sizing import _num_gpu_blocks\n"
+                          "    return _num_gpu_blocks(*args)\n",
+        "predict_num_gpu_blocks": (
+            "def predict_num_gpu_blocks(config, weights_bytes, max_num_batched_tokens, total_memory,\n"
+            "                           gpu_memory_utilization=0.92, block_size=16, kv_cache_dtype='auto'):\n"
+            "    from pagedkv.sizing import _analytic_profile\n"
+            "    return _analytic_profile(config, max_num_batched_tokens, block_size=block_size,\n"
+            "        kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,\n"
+            "        weights_memory=weights_bytes, total_memory=total_memory).num_gpu_blocks\n"),
+    }
+    for cell in nb["cells"]:
+        m = re.match(r"\s*def (\w+)", "".join(cell["source"]))
+        if "otter_answer_cell" in cell["metadata"].get("tags", []) and m and m.group(1) in twins:
+            cell["source"] = twins.pop(m.group(1))
+    assert not twins
+    (tmp_path / "mallory").mkdir()
+    path = tmp_path / "mallory" / "05_sizing_the_pool.ipynb"
+    path.write_text(json.dumps(nb))
+    proc = subprocess.run(_pagedkv("grade", str(path), "--json", str(tmp_path / "r.json"), "--no-progress"),
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    scores = {e["name"]: e["score"] for e in json.loads((tmp_path / "r.json").read_text())["notebooks"][0]["exercises"]}
+    assert scores["num_gpu_blocks"] == 0 and scores["predict_num_gpu_blocks"] == 0, scores
+
+
 # --------------------------------------------------------------------------------------------- the command line
 @pytest.mark.parametrize("args, message", [
     (["--timeout", "-5"], "--timeout must be a positive number"),

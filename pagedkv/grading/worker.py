@@ -172,7 +172,7 @@ class Question:
 def load_tests(zip_path: Path) -> list[Question]:
     """The set's questions in notebook order, with their test cases (the zip's ``tests/*.py``, defined here: the
     test files are the course's code, read from the trusted zip) and reference symbols."""
-    from pagedkv.grading.sandbox import FALLBACK_REFERENCE, NEVER_STUBBED
+    from pagedkv.grading.sandbox import FALLBACK_REFERENCE, NEVER_STUBBED, with_private_twins
 
     questions: dict[str, Question] = {}
     order: list[str] = []
@@ -203,7 +203,7 @@ def load_tests(zip_path: Path) -> list[Question]:
             exec(compile(source, f"<tests/{Path(entry).name}>", "exec"), namespace)  # noqa: S102 - trusted zip
             qname = str(namespace.get("name") or Path(entry).stem)
             ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
-            reference = [str(r) for r in (ref or [])] + FALLBACK_REFERENCE.get(qname, [])
+            reference = with_private_twins([str(r) for r in (ref or [])] + FALLBACK_REFERENCE.get(qname, []))
             questions[qname] = Question(qname, cases, sorted(set(reference) - NEVER_STUBBED))
     rank = {q: i for i, q in enumerate(order)}
     return sorted(questions.values(), key=lambda q: (rank.get(q.name, len(rank)), q.name))
