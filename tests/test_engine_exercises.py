@@ -41,6 +41,25 @@ def test_solution_passes_and_stub_fails_every_test() -> None:
     assert not [q for q, _, ok, _ in results if ok] and all(msg for *_, msg in results)
 
 
+WRITE = ("    key_cache.view(-1, hkv, d)[meta.slot_mapping] = k\n"
+         "    value_cache.view(-1, hkv, d)[meta.slot_mapping] = v\n")
+ATTEND = ("    out = ref_paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,\n"
+          "                                      meta.query_start_loc, scaling)\n")
+# attention written by hand, one request at a time (HEADS: which KV head each query head reads)
+OWN_ATTENTION = """    hq, bs = q.shape[1], key_cache.shape[1]
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        lo, hi = int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1])
+        pos = torch.arange(seq_len)
+        slots = meta.block_tables[b][pos // bs].long() * bs + pos % bs
+        kk = key_cache.view(-1, hkv, d)[slots][:, HEADS]
+        vv = value_cache.view(-1, hkv, d)[slots][:, HEADS]
+        scores = torch.einsum("thd,lhd->htl", q[lo:hi], kk) * scaling
+        qpos = torch.arange(lo, hi) - lo + seq_len - (hi - lo)
+        scores = scores.masked_fill(pos[None, :] > qpos[:, None], float("-inf"))
+        out[lo:hi] = torch.einsum("htl,lhd->thd", scores.softmax(-1), vv)
+"""
+
 # (id, question, text in the solution, replaced by, a phrase the learner must see in the first public failure)
 WRONG = [
     ("positions_from_zero", "prepare_inputs", "out.positions.append(p)", "out.positions.append(p - start)",
@@ -51,12 +70,40 @@ WRONG = [
     ("samples_partial_prefills", "prepare_inputs", "if rid not in partial:", "if True:", "sample_req_ids"),
     ("logits_row_off_by_one", "prepare_inputs", "out.query_start_loc[-1] - 1)", "out.query_start_loc[-1])",
      "logits_indices"),
-    ("attends_before_writing", "paged_attention", "    key_cache.view(-1, hkv, d)[meta.slot_mapping] = k\n"
-     "    value_cache.view(-1, hkv, d)[meta.slot_mapping] = v\n", "", "write the cache first"),
+    ("sorts_the_requests", "prepare_inputs", "req_ids = list(scheduler_output.num_scheduled_tokens)",
+     "req_ids = sorted(scheduler_output.num_scheduled_tokens)", "scheduling order"),
+    ("never_writes", "paged_attention", "    key_cache.view(-1, hkv, d)[meta.slot_mapping] = k\n"
+     "    value_cache.view(-1, hkv, d)[meta.slot_mapping] = v\n", "", "keys were not written"),
+    ("attends_before_writing", "paged_attention", WRITE + ATTEND, ATTEND + WRITE,
+     "BEFORE this step's keys and values were written"),
+    ("keys_into_the_value_cache", "paged_attention", "value_cache.view(-1, hkv, d)[meta.slot_mapping] = v",
+     "value_cache.view(-1, hkv, d)[meta.slot_mapping] = k", "holds the token's key, not its value"),
+    ("reshape_not_transpose", "paged_attention", "k = key[0].transpose(0, 1)",
+     "k = key[0].reshape(key.shape[2], key.shape[1], key.shape[3])", "not with reshape or view"),
+    ("no_scaling", "paged_attention", "meta.query_start_loc, scaling)", "meta.query_start_loc, 1.0)",
+     "softmax scale 1"),
+    ("gqa_heads_modulo", "paged_attention", ATTEND, OWN_ATTENTION.replace("HEADS", "torch.arange(hq) % hkv"),
+     "h // (Hq // Hkv)"),
+    ("gqa_ignored", "paged_attention", ATTEND, OWN_ATTENTION.replace("[:, HEADS]", ""), "repeat_interleave"),
+    ("no_causal_mask", "paged_attention", ATTEND, OWN_ATTENTION.replace("HEADS", "torch.arange(hq) // (hq // hkv)")
+     .replace('        scores = scores.masked_fill(pos[None, :] > qpos[:, None], float("-inf"))\n', ""),
+     "tokens after them in the same chunk"),
+    ("mask_not_offset", "paged_attention", ATTEND, OWN_ATTENTION.replace("HEADS", "torch.arange(hq) // (hq // hkv)")
+     .replace("qpos = torch.arange(lo, hi) - lo + seq_len - (hi - lo)", "qpos = torch.arange(hi - lo)"),
+     "not offset by the cached prefix"),
     ("wrong_layer", "paged_attention", "meta.kv_caches[module.layer_idx]", "meta.kv_caches[0]", "layer"),
     ("forgets_transpose_back", "paged_attention", "return out.to(query.dtype)[None], None",
      "return out.to(query.dtype).transpose(0, 1)[None], None", "[1, T, Hq, D]"),
 ]
+
+
+def test_attention_written_by_hand_passes() -> None:
+    """The hand-written attention the wrong answers below start from is right as it stands."""
+    heads = "torch.arange(hq) // (hq // hkv)"
+    own = SOLUTIONS["paged_attention"].replace(ATTEND, OWN_ATTENTION.replace("HEADS", heads))
+    assert own != SOLUTIONS["paged_attention"]
+    results = NB.grade({"paged_attention": own}, only={"paged_attention"})
+    assert results and all(ok for *_, ok, _ in results), [m for *_, ok, m in results if not ok]
 
 
 @pytest.mark.parametrize("wid, question, old, new, phrase", WRONG, ids=[w[0] for w in WRONG])

@@ -36,3 +36,32 @@ def test_a_prediction_that_keeps_its_own_page_size_is_told_to_fix_exercise_1_fir
     (ok, first), *_ = _cases(results, "predict_num_gpu_blocks")
     assert not ok and first.startswith("exercise 1 (`kv_page_bytes`) is failing; fix it first.")
     assert "Hint" not in first
+
+
+def _first_public_failure(question: str, answer: str) -> str:
+    results = NB.grade({question: answer}, only={question}, public_only=True)
+    return next(msg for _, _, ok, msg in results if not ok)
+
+
+def test_a_derived_head_dim_is_named_alone_once_the_factor_2_is_known_to_be_right() -> None:
+    derived = NB.solutions["kv_page_bytes"].replace('config.get("head_dim") or ', "")
+    assert derived != NB.solutions["kv_page_bytes"]
+    first = _first_public_failure("kv_page_bytes", derived)
+    assert "an explicit head_dim (128) wins" in first and "half the answer" not in first, first
+
+
+def test_a_head_dim_set_to_none_is_explained() -> None:
+    no_none = NB.solutions["kv_page_bytes"].replace(
+        'config.get("head_dim") or config["hidden_size"] // heads',
+        'config.get("head_dim", config["hidden_size"] // heads)')
+    assert no_none != NB.solutions["kv_page_bytes"]
+    first = _first_public_failure("kv_page_bytes", no_none)
+    assert "head_dim: None" in first and "returns that None" in first, first
+
+
+def test_an_argument_not_passed_on_is_named_before_a_look_alike() -> None:
+    fixed = NB.solutions["predict_num_gpu_blocks"].replace(
+        "kv_page_bytes(config, block_size, kv_cache_dtype)", "kv_page_bytes(config, block_size)")
+    assert fixed != NB.solutions["predict_num_gpu_blocks"]
+    first = _first_public_failure("predict_num_gpu_blocks", fixed)
+    assert "Hint: that is the count with kv_cache_dtype='auto'" in first, first

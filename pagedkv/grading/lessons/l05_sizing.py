@@ -97,31 +97,33 @@ def expected_page(config: dict[str, Any], block_size: int, kv_cache_dtype: Any =
     return sizing.kv_page_bytes(config, block_size, kv_cache_dtype)
 
 
-def _page_mistakes(config: dict[str, Any], block_size: int, kv_cache_dtype: Any) -> list[tuple[int, str]]:
+def _page_mistakes(config: dict[str, Any], block_size: int, kv_cache_dtype: Any) -> list[tuple[int, str, str]]:
+    """(wrong answer, hint, which mistake) for each plausible mistake that gives a wrong answer here."""
     shape = sizing.model_shape(config)
     nbytes = sizing.resolve_kv_cache_dtype(kv_cache_dtype, shape.dtype).itemsize
     right = 2 * block_size * shape.num_kv_heads * shape.head_dim * nbytes
     out = [
         (right // 2, "that is half the answer: a block stores keys AND values, so the page is 2 x block_size x "
-                     "num_kv_heads x head_dim x bytes"),
+                     "num_kv_heads x head_dim x bytes", "half"),
         (right * shape.num_layers, "that is the page of every layer together: kv_page_bytes is ONE layer's page "
-                                   "(vLLM divides by the number of layers separately)"),
+                                   "(vLLM divides by the number of layers separately)", "layers"),
         (2 * block_size * shape.num_attention_heads * shape.head_dim * nbytes,
          "you used num_attention_heads: only the KV heads are cached (num_key_value_heads; GQA shares each among "
-         "several query heads)"),
-        (right * 8, "that counts bits, not bytes"),
+         "several query heads)", "query heads"),
+        (right * 8, "that counts bits, not bytes", "bits"),
     ]  # fmt: skip
     if shape.hidden_size % shape.num_attention_heads == 0:
         derived = shape.hidden_size // shape.num_attention_heads
         out.append((2 * block_size * shape.num_kv_heads * derived * nbytes,
                     f"you used hidden_size // num_attention_heads = {derived}: an explicit head_dim "
-                    f"({shape.head_dim}) wins"))  # fmt: skip
+                    f"({shape.head_dim}) wins", "derived head_dim"))  # fmt: skip
     if kv_cache_dtype == "auto":
         out.append((2 * block_size * shape.num_kv_heads * shape.head_dim * 2,
-                    f"'auto' means the config's dtype ({config.get('dtype')}), not always 2 bytes"))  # fmt: skip
+                    f"'auto' means the config's dtype ({config.get('dtype')}), not always 2 bytes",
+                    "auto"))  # fmt: skip
     if kv_cache_dtype == "fp8":
-        out.append((right * 2, "fp8 stores 1 byte per value"))
-    return [(v, m) for v, m in out if v != right]
+        out.append((right * 2, "fp8 stores 1 byte per value", "fp8"))
+    return [(v, m, k) for v, m, k in out if v != right]
 
 
 def _expect_int(got: Any, expected: int, call: str, mistakes: list[tuple[int, str]]) -> None:
@@ -145,50 +147,74 @@ def _expect_int(got: Any, expected: int, call: str, mistakes: list[tuple[int, st
 _KEY_ERROR = re.compile(r"raised KeyError: '([^']*)'")  # one pair of quotes, in the notebook and under the grader
 
 
-def _run_on_config(fn: Callable, args: tuple, name: str, timeout: float) -> Any:
-    """``run``, with a KeyError on the config explained: the key may be missing (or None) in a real config."""
+_NONE_TYPE = re.compile(r"raised TypeError: .*'NoneType'")
+
+
+def _run_on_config(fn: Callable, args: tuple, name: str, timeout: float, shown: str | None = None) -> Any:
+    """``run``, with a KeyError on the config explained (the key may be missing, or None, in a real config),
+    and the call shown as ``shown`` (the config with only the fields sizing reads)."""
     try:
         return run(fn, args, name=name, timeout=timeout)
     except AssertionError as exc:
         text = str(exc)
+        cut = min((i for i in (text.find(" raised "), text.find(" did not return within ")) if i >= 0), default=-1)
+        if shown is not None and cut >= 0:
+            text = shown + text[cut:]
         m = _KEY_ERROR.search(text)
-        if m is None:
-            raise
-        key = m.group(1)
-        fail(f"{text}. Hint: this config has no {key!r}: a config may leave out num_key_value_heads and head_dim "
-             "(or set them to None); read them with config.get(...) and fall back as the exercise says")
+        if m is not None:
+            key = m.group(1)
+            fail(f"{text}. Hint: this config has no {key!r}: a config may leave out num_key_value_heads and "
+                 "head_dim (or set them to None); read them with config.get(...) and fall back as the exercise says")
+        nulls = [k for k in ("num_key_value_heads", "head_dim") if k in args[0] and args[0][k] is None]
+        if nulls and _NONE_TYPE.search(text):
+            fail(f"{text}. Hint: this config sets {' and '.join(nulls)} to None (transformers writes null when the "
+                 "value is derived): config.get(key, default) returns that None, not the default; fall back when "
+                 "the value is missing OR None")
+        fail(text)
 
 
-def _check_page(kv_page_bytes: Callable, config: dict[str, Any], block_size: int, dtype: Any) -> None:
+def _check_page(kv_page_bytes: Callable, config: dict[str, Any], block_size: int, dtype: Any,
+                ruled_out: set[str] | None = None) -> None:
+    """One case. ``ruled_out`` collects the mistakes the learner's function is known not to make (it gave the
+    right answer on an earlier case where that mistake gives a wrong one), so that a hint never names them."""
     call = f"kv_page_bytes({_short(config)}, {block_size}, {describe(dtype)})"
-    got = _run_on_config(kv_page_bytes, (dict(config), block_size, dtype), "kv_page_bytes", 2)
-    _expect_int(got, expected_page(config, block_size, dtype), call, _page_mistakes(config, block_size, dtype))
+    got = _run_on_config(kv_page_bytes, (dict(config), block_size, dtype), "kv_page_bytes", 2, shown=call)
+    expected = expected_page(config, block_size, dtype)
+    mistakes = _page_mistakes(config, block_size, dtype)
+    ruled_out = set() if ruled_out is None else ruled_out
+    if _is_int(got) and int(got) == expected:
+        ruled_out.update(key for _, _, key in mistakes)
+    _expect_int(got, expected, call, [(v, m) for v, m, key in mistakes if key not in ruled_out])
 
 
 def check_kv_page_bytes_published(kv_page_bytes: Any) -> None:
     """The three published shapes, in their own dtype and in FP8 (1 point)."""
     require_function(kv_page_bytes, "kv_page_bytes")
+    ruled_out: set[str] = set()
     for config in PUBLISHED.values():
         for block_size in (16, 1, 32):
             for dtype in ("auto", "fp8"):
-                _check_page(kv_page_bytes, config, block_size, dtype)
+                _check_page(kv_page_bytes, config, block_size, dtype, ruled_out)
 
 
 def check_kv_page_bytes_random(kv_page_bytes: Any) -> None:
     """Random GQA/MHA configs with and without an explicit head_dim (1 point)."""
     require_function(kv_page_bytes, "kv_page_bytes")
     rng = random.Random(5005)
+    ruled_out: set[str] = set()
     for _ in range(150):
         config = random_config(rng)
-        _check_page(kv_page_bytes, config, rng.choice([1, 8, 16, 32, 64]), rng.choice(["auto", "fp16", "bf16"]))
+        _check_page(kv_page_bytes, config, rng.choice([1, 8, 16, 32, 64]), rng.choice(["auto", "fp16", "bf16"]),
+                    ruled_out)
 
 
 def check_kv_page_bytes_dtypes(kv_page_bytes: Any) -> None:
     """Every dtype name, torch dtypes, and an unknown dtype refused (1 point)."""
     require_function(kv_page_bytes, "kv_page_bytes")
     config = PUBLISHED["Llama-3.1-8B"]
+    ruled_out: set[str] = set()
     for dtype in ("fp16", "bf16", "fp32", "fp8", torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn):
-        _check_page(kv_page_bytes, config, 16, dtype)
+        _check_page(kv_page_bytes, config, 16, dtype, ruled_out)
     for bad in ("int4", "fp4", "e4m3"):
         expect_raises(ValueError, kv_page_bytes, (dict(config), 16, bad), name="kv_page_bytes",
                       why=f"{bad!r} is not a KV cache dtype", timeout=2)  # fmt: skip
@@ -198,10 +224,11 @@ def check_kv_page_bytes_hidden(kv_page_bytes: Any) -> None:
     """More random configs (another seed), every dtype, block sizes up to 256 (hidden, 1 point)."""
     require_function(kv_page_bytes, "kv_page_bytes")
     rng = random.Random(8128)
+    ruled_out: set[str] = set()
     for _ in range(300):
         config = random_config(rng)
         dtype = rng.choice(["auto", "fp16", "bf16", "fp32", "fp8", torch.float16, torch.float8_e4m3fn])
-        _check_page(kv_page_bytes, config, rng.choice([1, 2, 16, 128, 256]), dtype)
+        _check_page(kv_page_bytes, config, rng.choice([1, 2, 16, 128, 256]), dtype, ruled_out)
 
 
 # --- num_gpu_blocks ------------------------------------------------------------------------------------------
@@ -364,19 +391,42 @@ def _check_prediction(predict: Callable, args: tuple) -> None:
             f"total_memory={total}, gpu_memory_utilization={util}, block_size={block_size}, "
             f"kv_cache_dtype={describe(dtype)})")  # fmt: skip
     got = _run_on_config(predict, (dict(config), weights, tokens, total, util, block_size, dtype),
-                         "predict_num_gpu_blocks", 5)  # fmt: skip
+                         "predict_num_gpu_blocks", 5, shown=call)  # fmt: skip
     expected = expected_prediction(*args)
     peak = sizing.estimate_peak_activation(config, tokens)
     page = expected_page(config, block_size, dtype)
     layers = config["num_hidden_layers"]
+    def blocks(**change: Any) -> int | None:
+        a = dict(util=util, weights=weights, peak=peak, page=page, page_args=(block_size, dtype))
+        a.update(change)
+        try:
+            pg = a["page"] if "page_args" not in change else expected_page(config, *a["page_args"])
+            return sizing.num_gpu_blocks(total, a["util"], a["weights"], a["peak"], 0, 0, pg, layers)
+        except ValueError:
+            return None
+
     mistakes = [
-        (sizing.num_gpu_blocks(total, util, weights, peak, 0, 0, page // 2, layers),
-         "twice the blocks: does your page size leave out the factor 2 for keys and values?"),
-        (sizing.num_gpu_blocks(total, util, weights, 0, 0, 0, page, layers),
-         "subtract the peak activations too (sizing.estimate_peak_activation(config, max_num_batched_tokens))"),
+        # an argument not passed on: checked first, since it can look like another mistake (fp8 ignored also
+        # doubles the page)
+        (blocks(page_args=(16, dtype)), f"that is the count for blocks of 16 tokens: pass block_size "
+                                        f"({block_size}) on to kv_page_bytes"),
+        (blocks(page_args=(block_size, "auto")), f"that is the count with kv_cache_dtype='auto': pass "
+                                                 f"kv_cache_dtype ({describe(dtype)}) on to kv_page_bytes"),
+        (blocks(util=0.92), f"that is the count at utilization 0.92: pass gpu_memory_utilization ({util}) on"),
+        (blocks(page=page // 2), "twice the blocks: does your page size leave out the factor 2 for keys and "
+                                 "values?"),
+        (blocks(peak=0), "subtract the peak activations too (estimate_peak_activation(config, "
+                         "max_num_batched_tokens))"),
         *_blocks_mistakes(total, util, weights, peak, 0, 0, page, layers),
     ]  # fmt: skip
-    _expect_int(got, expected, call, [(v, m) for v, m in mistakes if v != expected])
+    seen: set[int] = set()
+    unique = []
+    for v, m in mistakes:  # one hint per wrong count that two rules give for the same reason
+        if v is None or v == expected or (v in seen and "activation" in m):
+            continue
+        seen.add(v)
+        unique.append((v, m))
+    _expect_int(got, expected, call, unique)
 
 
 def _lesson7_config() -> dict[str, Any]:
