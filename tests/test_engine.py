@@ -16,9 +16,9 @@ import torch
 
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.model_runner import (
+    GraphInputBuffers,
     bucket_for,
     cudagraph_capture_sizes,
-    pad_decode_inputs,
     prepare_inputs,
 )
 from pagedkv.engine.sampler import Sampler, make_generator
@@ -392,12 +392,20 @@ def test_cuda_graph_buckets():
 
     inputs = ModelInputs(["a", "b", "c"], [5, 6, 7], [10, 3, 40], [81, 26, 170], [[8, 9], [3], [2, 4, 6, 21]],
                          [11, 4, 41], [0, 1, 2, 3], ["a", "b", "c"], [0, 1, 2])
-    padded = pad_decode_inputs(inputs, 4, max_blocks=6)
-    assert padded.slot_mapping == [81, 26, 170, -1] and padded.seq_lens == [11, 4, 41, 1]
-    assert padded.block_tables[-1] == [0] * 6 and padded.block_tables[0] == [8, 9, 0, 0, 0, 0]
-    assert padded.query_start_loc == [0, 1, 2, 3, 4] and padded.logits_indices == [0, 1, 2]
-    with pytest.raises(ValueError):
-        pad_decode_inputs(inputs, 2, max_blocks=6)
+    buf = GraphInputBuffers(8, max_blocks=6, device="cpu")
+    buf.block_tables.fill_(77)  # what earlier, wider steps left behind
+    buf.fill(inputs, 4)
+    assert buf.slot_mapping[:4].tolist() == [81, 26, 170, -1] and buf.seq_lens[:4].tolist() == [11, 4, 41, 1]
+    assert buf.input_ids[:4].tolist() == [5, 6, 7, 0] and buf.positions[:4].tolist() == [10, 3, 40, 0]
+    # real rows as wide as the step's longest (4 blocks); beyond that, and beyond seq_len, nothing is read
+    assert buf.block_tables[0].tolist() == [8, 9, 0, 0, 77, 77] and buf.block_tables[2, :4].tolist() == [2, 4, 6, 21]
+    assert buf.block_tables[3, 0] == 0  # the padding row reads the null block, one token of it
+    assert buf.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
+    for size, blocks in ((2, None), (9, None), (4, [[1] * 7, [3], [2]])):
+        bad = inputs if blocks is None else ModelInputs(["a", "b", "c"], [5, 6, 7], [10, 3, 40], [81, 26, 170],
+                                                        blocks, [11, 4, 41], [0, 1, 2, 3], ["a", "b", "c"], [0, 1, 2])
+        with pytest.raises(ValueError):
+            buf.fill(bad, size)
 
 
 def test_bench_tiny_mode(tmp_path):
@@ -448,6 +456,32 @@ llm.runner.backend = "triton"  # the CUDA backend's code path, run by Triton's i
 outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
 got = [o.outputs[0].token_ids for o in outputs]
 print("MATCH" if got == refs else f"DIFFER {got} {refs}")
+
+# The CUDA-graph runner's own logic (buffers, bucket padding, hidden states, logits after the replay), with each
+# "replay" running the recorded forward eagerly: everything a GPU does but the capture itself.
+from pagedkv.engine.model_runner import ATTN_IMPLEMENTATION, CUDAGraphRunner, attn_implementation
+
+
+class EagerReplay:
+    def __init__(self, runner, size):
+        self.runner, self.size = runner, size
+
+    def replay(self):
+        with torch.no_grad(), attn_implementation(self.runner.model, ATTN_IMPLEMENTATION):
+            self.runner.forward(self.size)
+
+
+llm = LLM(model, num_gpu_blocks=20, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+runner = llm.runner
+runner.backend = "triton"
+graphs = CUDAGraphRunner(model, runner.kv_caches, 4, runner.max_blocks_per_req, [1, 2, 4], runner.compute_logits)
+graphs.graphs = {size: EagerReplay(graphs, size) for size in graphs.capture_sizes}
+runner.graph_runner = graphs
+replayed = []
+graphs.run = (lambda run: lambda inputs: (replayed.append(len(inputs.req_ids)), run(inputs))[1])(graphs.run)
+outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+got = [o.outputs[0].token_ids for o in outputs]
+print("GRAPHS MATCH" if got == refs and 3 in replayed else f"GRAPHS DIFFER {got} {refs} {replayed}")
 """
 
 
@@ -455,8 +489,8 @@ print("MATCH" if got == refs else f"DIFFER {got} {refs}")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the Triton backend runs natively")
 def test_triton_backend_glue_under_the_interpreter():
     """The Triton backend's glue (reshape_and_cache, paged_prefill_attention, paged_attention_decode with
-    validate=False) end to end, in a fresh process so that Triton's interpreter is chosen before anything else
-    imports Triton."""
+    validate=False) end to end, then the CUDA-graph runner's logic with eager replays, in a fresh process so that
+    Triton's interpreter is chosen before anything else imports Triton."""
     import os
     import subprocess
     import sys
@@ -466,4 +500,4 @@ def test_triton_backend_glue_under_the_interpreter():
     here = str(Path(__file__).resolve().parent)
     proc = subprocess.run([sys.executable, "-c", TRITON_ON_CPU, here], capture_output=True, text=True, env=env,
                           timeout=600, cwd=here)
-    assert "MATCH" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "MATCH" in proc.stdout and "GRAPHS MATCH" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

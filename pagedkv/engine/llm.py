@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
-from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
@@ -33,6 +33,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
+#: The default swap space (pinned host memory on a GPU): vLLM V0's default, ``EngineArgs.swap_space = 4`` GiB
+#: (vLLM 0.26 has no swapping), so that a large GPU pool does not pin all of the host's memory.
+SWAP_SPACE_BYTES = 4 * 2**30
 #: The pool's size when ``pagedkv.sizing`` cannot profile the model (a CPU budget too small for its weights).
 CPU_KV_CACHE_BYTES = 128 * 2**20
 
@@ -75,7 +78,8 @@ class LLM:
     sizes the pool with lesson 5's ``pagedkv.sizing.profile`` (a small analytic budget on a CPU).
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
-    swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool). Mirrors ``vllm.LLM``.
+    swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
+    Mirrors ``vllm.LLM``.
     """
 
     def __init__(
@@ -148,8 +152,9 @@ class LLM:
         elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
         self.num_gpu_blocks = num_gpu_blocks
-        if num_cpu_blocks is None:
-            num_cpu_blocks = num_gpu_blocks if preemption_mode == "swap" else 0
+        if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
+            num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
+                if preemption_mode == "swap" else 0
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
@@ -207,18 +212,22 @@ class LLM:
             return frozenset()
         return frozenset([ids] if _is_int(ids) else ids)
 
+    def _block_bytes(self) -> int:
+        """Bytes of one KV block over all layers, K and V, in the model's dtype."""
+        config = self.model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        elem = next(self.model.parameters()).element_size()
+        return 2 * self.block_size * kv_heads * head_dim * elem * config.num_hidden_layers
+
     def _size_pool(self, gpu_memory_utilization: float, use_cuda_graph: bool) -> int:
         """Blocks for the pool, from lesson 5's ``pagedkv.sizing.profile`` (vLLM 0.26's
         ``determine_available_memory`` then ``get_num_blocks``): measured on a CUDA GPU, computed ("analytic",
         against a small CPU budget) on a CPU. Prints its start-up lines, ending with
         ``# GPU blocks: N, concurrency for L-token requests: X``. Where the module is missing, or a CPU profile
         leaves no room (weights larger than the CPU budget), a pool of at most ``CPU_KV_CACHE_BYTES``."""
-        config = self.model.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = next(self.model.parameters()).dtype
-        elem = torch.tensor([], dtype=dtype).element_size()
-        block_bytes = 2 * self.block_size * kv_heads * head_dim * elem * config.num_hidden_layers
+        block_bytes = self._block_bytes()
         try:
             from pagedkv.sizing import profile  # lesson 5
         except ImportError:
@@ -229,6 +238,7 @@ class LLM:
                     self.model, self.max_num_batched_tokens, block_size=self.block_size, kv_cache_dtype=dtype,
                     gpu_memory_utilization=gpu_memory_utilization, device=self.device,
                     max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs, cuda_graphs=use_cuda_graph,
+                    cudagraph_batch_sizes=tuple(cudagraph_capture_sizes(self.max_num_seqs)),  # the ones captured
                 )
             except ValueError:
                 if self.device.type == "cuda":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,9 +95,11 @@ def prepare_inputs(
 # CUDA graphs: batch-size buckets
 # ---------------------------------------------------------------------------------------------------------
 def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
-    """The decode batch sizes to capture: ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)`` up to
-    ``min(max_num_seqs, max_size)``, plus that cap itself. vLLM 0.26's default pattern
-    (``CompilationConfig.cudagraph_capture_sizes``, ``vllm/config/compilation.py``)."""
+    """The decode batch sizes to capture: ``[1, 2, 4] + range(8, 256, 8) + range(256, cap + 1, 16)`` and ``cap``,
+    where ``cap = min(max_num_seqs, max_size)``. vLLM 0.26's default pattern (``VllmConfig._set_cudagraph_sizes``,
+    ``vllm/config/vllm.py``, kept in ``CompilationConfig.cudagraph_capture_sizes``), whose cap is
+    ``min(2 * max_num_seqs, 512, max_num_batched_tokens)``: vLLM's graphs count tokens and also serve mixed
+    batches; the lab's serve decode-only steps, one token per request, so no more than ``max_num_seqs``."""
     cap = max(1, min(max_num_seqs, max_size))
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
     out = sorted({s for s in sizes if s <= cap} | {cap})
@@ -112,28 +114,43 @@ def bucket_for(batch_size: int, capture_sizes: Sequence[int]) -> int | None:
     return None
 
 
-def pad_decode_inputs(inputs: ModelInputs, size: int, max_blocks: int) -> ModelInputs:
-    """A decode-only step padded to ``size`` requests for a graph of that size: padding requests have input
-    id 0 at position 0, slot -1 (``reshape_and_cache`` skips it), ``seq_len`` 1 and an all-null block table
-    (block 0, which no request owns), so they write nothing and read only the null block. Pure."""
-    b = len(inputs.req_ids)
-    if inputs.max_query_len != 1 or inputs.num_tokens != b:
-        raise ValueError("pad_decode_inputs takes a decode-only step (one token per request)")
-    if size < b:
-        raise ValueError(f"cannot pad {b} requests down to {size}")
-    pad = size - b
-    tables = [t + [0] * (max_blocks - len(t)) for t in inputs.block_tables] + [[0] * max_blocks] * pad
-    return ModelInputs(
-        req_ids=list(inputs.req_ids),
-        input_ids=inputs.input_ids + [0] * pad,
-        positions=inputs.positions + [0] * pad,
-        slot_mapping=inputs.slot_mapping + [-1] * pad,
-        block_tables=tables,
-        seq_lens=inputs.seq_lens + [1] * pad,
-        query_start_loc=list(range(size + 1)),
-        sample_req_ids=list(inputs.sample_req_ids),
-        logits_indices=list(inputs.logits_indices),
-    )
+class GraphInputBuffers:
+    """The static inputs of the decode graphs: one set of tensors, sized for the largest bucket, that every graph
+    reads from, so a graph replays on new inputs once they are copied in (a graph is frozen: fixed addresses).
+
+    :meth:`fill` writes a decode-only step padded to a bucket's ``size``: padding rows have input id 0 at
+    position 0, slot -1 (``reshape_and_cache`` skips it), ``seq_len`` 1 and block 0 (the null block, which no
+    request owns) first in their table, so they write nothing and read only the null block. A real row's table is
+    written only as wide as the step's longest: the kernels read entry ``j`` of a row only for tokens below its
+    ``seq_len``, so what is left beyond from earlier steps is never read, and a step copies ``B x width`` ints,
+    not ``size x max_blocks`` (nano-vllm's ``prepare_decode`` copies ``[:bs, :width]`` the same way).
+    """
+
+    def __init__(self, max_size: int, max_blocks: int, device: torch.device | str) -> None:
+        self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)  # [N]
+        self.positions = torch.zeros(max_size, dtype=torch.long, device=device)  # [N]
+        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)  # [N]
+        self.block_tables = torch.zeros(max_size, max_blocks, dtype=torch.int32, device=device)  # [N, max_blocks]
+        self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)  # [N]
+        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)  # [N + 1]
+
+    def fill(self, inputs: ModelInputs, size: int) -> None:
+        """Copy a decode-only step of ``B <= size`` requests into rows ``0..B-1``, padding rows ``B..size-1``."""
+        b = len(inputs.req_ids)
+        if inputs.max_query_len != 1 or inputs.num_tokens != b:
+            raise ValueError("a decode graph takes a decode-only step (one token per request)")
+        if not b <= size <= self.input_ids.shape[0]:
+            raise ValueError(f"cannot run {b} requests in a graph of {size} (buffers for {self.input_ids.shape[0]})")
+        width = max(len(t) for t in inputs.block_tables)
+        if width > self.block_tables.shape[1]:
+            raise ValueError(f"a block table of {width} blocks; the graphs hold {self.block_tables.shape[1]}")
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32)
+        for buf, real, pad in ((self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
+                               (self.slot_mapping, inputs.slot_mapping, -1), (self.seq_lens, inputs.seq_lens, 1)):
+            buf[:b].copy_(torch.tensor(real, dtype=buf.dtype), non_blocking=True)
+            buf[b:size].fill_(pad)
+        self.block_tables[:b, :width].copy_(tables, non_blocking=True)
+        self.block_tables[b:size, 0] = 0
 
 
 @contextlib.contextmanager
@@ -153,79 +170,81 @@ class CUDAGraphRunner:
     """Decode steps captured as CUDA graphs, one per batch-size bucket, sharing one memory pool.
 
     A decode step's host work (Python, transformers' module calls, ~0.13 ms per attention launch measured
-    on an H200) costs more than its GPU work at small batches; a graph replays the whole forward with one
-    launch. Static input buffers are filled before each replay; a batch is padded to its bucket
-    (:func:`pad_decode_inputs`). Captured largest first, so smaller graphs reuse the pool.
+    on an H200) costs more than its GPU work at small batches; a graph replays the whole decoder with one
+    launch. The graphs read :class:`GraphInputBuffers` and write the last hidden states into one static buffer;
+    the LM head runs after the replay on the sampled rows only (the runner's ``compute_logits``), so no graph
+    keeps a ``[size, vocab]`` tensor of its own. Captured largest first, so smaller graphs reuse the pool.
     Mirrors ``GPUModelRunner.capture_model`` / ``CudagraphDispatcher`` and nano-vllm's ``capture_cudagraph``.
+    It holds the model, the caches and the logits function, not the runner (no reference cycle keeps the KV
+    cache alive after the engine is dropped).
     """
 
-    def __init__(self, runner: ModelRunner, capture_sizes: Sequence[int]) -> None:
-        if runner.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.runner = runner
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 max_blocks: int, capture_sizes: Sequence[int],
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.device = kv_caches[0][0].device
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.compute_logits = compute_logits
         self.capture_sizes = sorted(capture_sizes)
-        self.max_blocks = runner.max_blocks_per_req
-        n, dev = self.capture_sizes[-1], runner.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.max_blocks = max_blocks
+        n = self.capture_sizes[-1]
+        self.buffers = GraphInputBuffers(n, max_blocks, self.device)
+        hidden = model.config.hidden_size
+        self.hidden = torch.zeros(n, hidden, dtype=next(model.parameters()).dtype, device=self.device)  # [N, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
+        buf = self.buffers
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
+            slot_mapping=buf.slot_mapping[:size],
+            block_tables=buf.block_tables[:size],
+            seq_lens=buf.seq_lens[:size],
+            query_start_loc=buf.query_start_loc[: size + 1],
             max_query_len=1,
-            max_seq_len=self.max_blocks * self.runner.block_size,
-            kv_caches=self.runner.kv_caches,
+            max_seq_len=self.max_blocks * self.block_size,
+            kv_caches=self.kv_caches,
             backend="triton",
             # the tuned dispatch (kernels/dispatch.py) picks version and splits from shapes alone (validate=False
             # reads nothing from the host), so it can be captured; at batch 1-8 it is up to ~6x faster than v3
             decode_version=None,
         )
 
+    def forward(self, size: int) -> None:
+        """The decoder on the buffers' first ``size`` rows, its last hidden states into ``hidden[:size]``: what a
+        graph of that size records, and what its replay does again on new buffer contents."""
+        kwargs = {METADATA_KWARG: self._metadata(size)}
+        ids, pos = self.buffers.input_ids[:size][None], self.buffers.positions[:size][None]  # [1, size]
+        out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).last_hidden_state
+        self.hidden[:size].copy_(out[0])  # [size, H]
+
     def capture(self) -> None:
-        """Capture one graph per size (largest first), after a warm-up run of each."""
-        model = self.runner.model
-        with torch.no_grad(), attn_implementation(model, ATTN_IMPLEMENTATION):
+        """Capture one graph per size (largest first), after a warm-up run of each (which compiles the kernels:
+        nothing may compile or synchronise while a graph is being captured)."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        with torch.no_grad(), attn_implementation(self.model, ATTN_IMPLEMENTATION):
             for size in reversed(self.capture_sizes):
-                meta = self._metadata(size)
-                kwargs = {METADATA_KWARG: meta}
-                ids, pos = self.input_ids[:size][None], self.positions[:size][None]
-                model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)  # warm-up: compiles kernels
+                self.forward(size)  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits[0]  # [size, V]
+                    self.forward(size)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[size] = graph
-                self.outputs[size] = out
                 torch.cuda.synchronize()
 
     def can_run(self, inputs: ModelInputs) -> bool:
         return inputs.max_query_len == 1 and bucket_for(len(inputs.req_ids), self.capture_sizes) is not None
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Replay the bucket's graph on ``inputs``; returns the logits of the real requests ``[B, V]``."""
-        b = len(inputs.req_ids)
-        size = bucket_for(b, self.capture_sizes)
+        """Replay the bucket's graph on ``inputs``; returns the logits of the sampled requests ``[S, V]``."""
+        size = bucket_for(len(inputs.req_ids), self.capture_sizes)
         assert size is not None
-        padded = pad_decode_inputs(inputs, size, self.max_blocks)
-        dev = self.runner.device
-        self.input_ids[:size].copy_(torch.tensor(padded.input_ids), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(padded.positions), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(padded.slot_mapping), non_blocking=True)
-        self.block_tables[:size].copy_(torch.tensor(padded.block_tables, dtype=torch.int32), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(padded.seq_lens, dtype=torch.int32), non_blocking=True)
+        self.buffers.fill(inputs, size)
         self.graphs[size].replay()
-        return self.outputs[size][torch.tensor(inputs.logits_indices, device=dev)]
+        keep = torch.tensor(inputs.logits_indices, dtype=torch.long, device=self.device)  # [S]
+        return self.compute_logits(self.hidden[keep])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -272,16 +291,20 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ] if num_cpu_blocks else []
         self.graph_runner: CUDAGraphRunner | None = None
+        self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
         if use_cuda_graph:
             try:
-                graph_runner = CUDAGraphRunner(self, cudagraph_capture_sizes(max_num_seqs))
+                graph_runner = CUDAGraphRunner(self.model, self.kv_caches, block_size, self.max_blocks_per_req,
+                                               cudagraph_capture_sizes(max_num_seqs), self.compute_logits)
                 graph_runner.capture()
                 self.graph_runner = graph_runner
             except Exception as exc:  # a model whose forward cannot be captured: decode runs eagerly
+                # a failure inside torch.cuda.graph can leave its side stream current: back to the default one
+                torch.cuda.set_stream(torch.cuda.default_stream(self.device))
+                torch.cuda.synchronize(self.device)
                 warnings.warn(f"CUDA-graph capture failed ({type(exc).__name__}: {exc}); decode runs eagerly",
                               stacklevel=2)
         self.last_inputs: ModelInputs | None = None  # the latest step's flattened inputs (for lessons)
-        self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the GPU-side KV cache (all layers, K and V)."""
