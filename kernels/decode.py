@@ -46,7 +46,14 @@ from .decode_v1 import launch_decode_v1
 from .decode_v2 import launch_decode_v2
 from .decode_v3 import TILE_TOKENS, launch_decode_v3
 from .decode_v4 import launch_decode_v4
-from .dispatch import DEFAULT_NUM_SMS, MAX_SPLITS, DecodeConfig, choose_decode_config, choose_num_splits
+from .dispatch import (
+    DEFAULT_NUM_SMS,
+    MAX_SPLITS,
+    DecodeConfig,
+    choose_decode_config,
+    choose_num_splits,
+    fit_tile_tokens,
+)
 
 DECODE_VERSIONS = (1, 2, 3, 4)
 FP8_VERSIONS = (3, 4)  # the versions that read an fp8 cache (1 and 2 stay as the lesson writes them)
@@ -58,6 +65,22 @@ def _num_sms_cached(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return DEFAULT_NUM_SMS
+
+
+@functools.lru_cache(maxsize=16)
+def max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (CUDA: the opt-in limit per block), unbounded elsewhere."""
+    if device.type != "cuda":
+        return 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0)
+               or 48 * 1024)
+
+
+def _fit(config: DecodeConfig, head_dim: int, element_size: int, device: torch.device) -> DecodeConfig:
+    """``config`` with its tile shrunk to the device's shared memory (:func:`fit_tile_tokens`)."""
+    tile = fit_tile_tokens(config.tile_tokens, head_dim, element_size, max_shared_memory(device))
+    return config if tile == config.tile_tokens else config._replace(tile_tokens=tile)
 
 
 def num_sms(device: torch.device) -> int:
@@ -118,6 +141,7 @@ def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, ver
                  else _explicit_config(version, num_splits, max(batch, 1), num_kv_heads, bound, sms))
         if fixed.version == 4 and num_splits is not None:
             fixed = fixed._replace(num_splits=num_splits)
+        fixed = _fit(fixed, head_dim, key_cache.element_size(), query.device)
     return _Plan(batch, num_kv_heads, bound, resolve_scale(scale, head_dim), sms, key_cache.element_size(),
                  query.stride(-1) != 1, fixed)
 
@@ -179,6 +203,7 @@ def paged_attention_decode(
             config = choose_decode_config(plan.batch, plan.num_kv_heads, max_len, plan.sms, plan.element_size)
             if num_splits is not None and config.version == 4:
                 config = config._replace(num_splits=num_splits)
+            config = _fit(config, query.shape[-1], plan.element_size, query.device)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if plan.batch == 0:
@@ -212,8 +237,9 @@ def decode_config(
 ) -> DecodeConfig:
     """The configuration the default dispatch launches for these inputs (for the lesson and the benchmark)."""
     bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * key_cache.shape[1]
-    return choose_decode_config(query.shape[0], key_cache.shape[2], bound, num_sms(query.device),
-                                key_cache.element_size())
+    config = choose_decode_config(query.shape[0], key_cache.shape[2], bound, num_sms(query.device),
+                                  key_cache.element_size())
+    return _fit(config, query.shape[-1], key_cache.element_size(), query.device)
 
 
 def _versioned(v: int):

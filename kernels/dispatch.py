@@ -119,6 +119,26 @@ def choose_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, num_sm
     return DecodeConfig(3, tile, NUM_WARPS, NUM_STAGES, 1)
 
 
+#: Shared memory a decode program needs besides its K and V tiles (bytes), read off Triton's compiled kernels.
+SHARED_MEMORY_OVERHEAD = 8192
+
+
+def fit_tile_tokens(tile_tokens: int, head_dim: int, element_size: int, max_shared_memory: int) -> int:
+    """``tile_tokens`` halved until one K and one V tile fit the GPU's shared memory per block (at least 16).
+
+    A program holds ``2 * tile_tokens * next_pow2(head_dim) * max(element_size, 2)`` bytes of tiles plus
+    ``SHARED_MEMORY_OVERHEAD`` (what Triton 3.6 compiles these kernels to; an fp8 tile is widened to 16 bits).
+    The H200's 227 KiB holds every tile the rule picks; a T4's 64 KiB does not hold a 128-token 16-bit tile, or a
+    64-token fp32 one, at head dim 128 (72 KiB): there the tile halves, and Triton would otherwise refuse the
+    launch (``OutOfResources``).
+    """
+    block_d = max(16, 1 << (max(1, head_dim) - 1).bit_length())
+    while tile_tokens > 16 and (2 * tile_tokens * block_d * max(element_size, 2) + SHARED_MEMORY_OVERHEAD
+                                > max_shared_memory):
+        tile_tokens //= 2
+    return tile_tokens
+
+
 def reachable_configs(num_sms: int = DEFAULT_NUM_SMS) -> list[DecodeConfig]:
     """Every configuration ``choose_decode_config`` can return for ``num_sms`` (the tests run each one)."""
     configs = {DecodeConfig(3, FEW_PROGRAMS_TILE_TOKENS, NUM_WARPS, NUM_STAGES, 1),

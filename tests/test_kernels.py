@@ -217,6 +217,20 @@ def test_every_configuration_the_dispatch_can_choose_is_exact(cfg):
         _check(out, ref, dtype, f"{cfg} {dtype}")
 
 
+def test_tiles_shrink_to_the_shared_memory_of_the_gpu():
+    """A T4 (64 KiB per block) cannot hold a 128-token 16-bit tile, or a 64-token fp32 one, at head dim 128:
+    Triton would refuse the launch. The tile halves until K and V fit; the H200's 227 KiB keeps every tile."""
+    from pagedkv.kernels.dispatch import fit_tile_tokens, reachable_configs
+
+    t4, h200 = 64 * 1024, 227 * 1024
+    assert fit_tile_tokens(128, 128, 2, t4) == 64 and fit_tile_tokens(64, 128, 4, t4) == 32
+    assert fit_tile_tokens(128, 64, 2, t4) == 128 and fit_tile_tokens(128, 128, 1, t4) == 64  # fp8 is widened
+    assert fit_tile_tokens(128, 100, 2, t4) == 64  # head dim padded to 128
+    assert all(fit_tile_tokens(c.tile_tokens, 128, e, h200) == c.tile_tokens for c in reachable_configs()
+               for e in (1, 2, 4))
+    assert fit_tile_tokens(64, 4096, 4, t4) == 16  # never below 16
+
+
 def test_dispatch_plan_cache_does_not_skip_checks():
     """A call signature seen before skips the shape checks; a new bad one is still refused."""
     args = _good()
