@@ -750,6 +750,16 @@ def test_run_reports_the_exception_and_the_line():
                                              r"return x // 0\)"):
         checks.run(broken, (1,))
 
+    def shapes(x):
+        return torch.einsum("ij,jk->ik", x, x[:2])  # fails inside torch: the learner's line is reported
+
+    import torch
+
+    with pytest.raises(AssertionError, match=r"\(in shapes, line \d+: return torch.einsum"):
+        checks.run(shapes, (torch.zeros(3, 4),))
+    info = wire.exception_info(pytest.raises(RuntimeError, shapes, torch.zeros(3, 4)).value)
+    assert info["where"]["name"] == "shapes" and "einsum" in info["where"]["text"]
+
 
 def test_expect_raises_and_require_function():
     checks.expect_raises(ValueError, int, ("x",))

@@ -19,6 +19,7 @@ import contextlib
 import math
 import re
 import signal
+import sysconfig
 import threading
 import traceback
 import types
@@ -146,12 +147,24 @@ def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+_INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def own_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame not in Python's own library or an installed package (torch, transformers): the
+    learner's line that made a library call fail, not the line inside the library ("in einsum, line 372")."""
+    for frame in reversed(frames):
+        name = frame.filename
+        if not (name.startswith(_INSTALLED) or "site-packages" in name or "dist-packages" in name):
+            return frame
+    return frames[-1] if frames else None
+
+
 def _where(exc: BaseException) -> str:
-    """' (line 3 of the learner's cell: return n // b)' for the innermost frame, when it is known."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
+    """' (in paged_attention, line 3: return n // b)' for the learner's innermost frame, when it is known."""
+    last = own_frame(traceback.extract_tb(exc.__traceback__))
+    if last is None:
         return ""
-    last = frames[-1]
     code = (last.line or "").strip()
     return f" (in {last.name}, line {last.lineno}: {code})" if code else f" (in {last.name}, line {last.lineno})"
 

@@ -43,6 +43,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from pagedkv.grading.checks import own_frame
+
 __all__ = ["MAX_MESSAGE", "Codec", "ProtocolError", "read_message", "write_message"]
 
 #: The largest message either side accepts (bytes): the exercises' tensors are a few MB; a learner's function that
@@ -216,9 +218,8 @@ def exception_info(exc: BaseException) -> dict:
     except Exception:  # noqa: BLE001 - a learner's exception whose __str__ raises
         message = f"<{type(exc).__name__} whose str() raised>"
     where = None
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
+    last = own_frame(traceback.extract_tb(exc.__traceback__))
+    if last is not None:
         where = {"name": last.name, "line": last.lineno, "text": (last.line or "").strip(),
                  "file": last.filename}
     return {"type": type(exc).__name__, "bases": bases, "message": message[:4000], "where": where}
