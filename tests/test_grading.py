@@ -986,6 +986,25 @@ def test_sandbox_stubs_the_reference_in_its_copy(tmp_path):
     assert "def get_new_blocks" in pool and "not available while grading" in pool
 
 
+def _grade_variant(tmp_path: Path, name: str, answers: dict[str, str]) -> dict[str, float]:
+    """Grade a copy of exercises/NAME.ipynb with these answer cells; the score of each exercise."""
+    nb = json.loads((ROOT / "exercises" / f"{name}.ipynb").read_text())
+    left = dict(answers)
+    for cell in nb["cells"]:
+        m = re.match(r"\s*def (\w+)", "".join(cell["source"]))
+        if "otter_answer_cell" in cell["metadata"].get("tags", []) and m and m.group(1) in left:
+            cell["source"] = left.pop(m.group(1))
+    assert not left, f"answer cells not found for {set(left)}"
+    (tmp_path / "mallory").mkdir()
+    path = tmp_path / "mallory" / f"{name}.ipynb"
+    path.write_text(json.dumps(nb))
+    proc = subprocess.run(_pagedkv("grade", str(path), "--json", str(tmp_path / "r.json"), "--no-progress"),
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return {e["name"]: e["score"] for e in json.loads((tmp_path / "r.json").read_text())["notebooks"][0]["exercises"]}
+
+
+@pytest.mark.slow
 def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
     """Set 05: the library keeps private twins of the graded functions (``sizing._num_gpu_blocks``) for its own
     callers. A learner's function that returns the twin's answer scores what the untouched stub scores."""
@@ -998,8 +1017,7 @@ def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
     text = (tmp_path / "copy" / "pagedkv" / "sizing.py").read_text()
     assert "'pagedkv.sizing._num_gpu_blocks' + ' is not available while grading" in text
 
-    nb = json.loads((ROOT / "exercises" / "05_sizing_the_pool.ipynb").read_text())
-    twins = {
+    scores = _grade_variant(tmp_path, "05_sizing_the_pool", {
         "num_gpu_blocks": "def num_gpu_blocks(*args):\n    from pagedkv.sizing import _num_gpu_blocks\n"
                           "    return _num_gpu_blocks(*args)\n",
         "predict_num_gpu_blocks": (
@@ -1009,20 +1027,26 @@ def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
             "    return _analytic_profile(config, max_num_batched_tokens, block_size=block_size,\n"
             "        kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,\n"
             "        weights_memory=weights_bytes, total_memory=total_memory).num_gpu_blocks\n"),
-    }
-    for cell in nb["cells"]:
-        m = re.match(r"\s*def (\w+)", "".join(cell["source"]))
-        if "otter_answer_cell" in cell["metadata"].get("tags", []) and m and m.group(1) in twins:
-            cell["source"] = twins.pop(m.group(1))
-    assert not twins
-    (tmp_path / "mallory").mkdir()
-    path = tmp_path / "mallory" / "05_sizing_the_pool.ipynb"
-    path.write_text(json.dumps(nb))
-    proc = subprocess.run(_pagedkv("grade", str(path), "--json", str(tmp_path / "r.json"), "--no-progress"),
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    scores = {e["name"]: e["score"] for e in json.loads((tmp_path / "r.json").read_text())["notebooks"][0]["exercises"]}
+    })
     assert scores["num_gpu_blocks"] == 0 and scores["predict_num_gpu_blocks"] == 0, scores
+
+
+@pytest.mark.slow
+def test_the_engines_cache_write_is_hidden_with_the_attention_answer(tmp_path):
+    """Set 07: writing the cache is half of ``paged_attention``; the engine's own ``write_kv_torch`` is hidden
+    with it (attending through ``ref_paged_prefill_attention`` is what the exercise suggests)."""
+    scores = _grade_variant(tmp_path, "07_serving_engine", {"paged_attention": (
+        "def paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):\n"
+        "    from pagedkv.attention import ref_paged_prefill_attention\n"
+        "    from pagedkv.engine.attention import write_kv_torch\n"
+        "    meta = kwargs['pagedkv_metadata']\n"
+        "    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))\n"
+        "    kc, vc = meta.kv_caches[module.layer_idx]\n"
+        "    write_kv_torch(k, v, kc, vc, meta.slot_mapping)\n"
+        "    out = ref_paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc,\n"
+        "                                      scaling)\n"
+        "    return out[None], None\n")})
+    assert scores["paged_attention"] == 0, scores
 
 
 # --------------------------------------------------------------------------------------------- the command line
