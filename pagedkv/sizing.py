@@ -910,18 +910,23 @@ def _profile_cuda(
 ) -> MemoryProfile:
     """The measured path of :func:`profile` (needs CUDA)."""
     shape = model_shape(config)
+    gc.collect()  # an engine the notebook dropped still holds its KV cache until collected: free it first
+    torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
     baseline = MemorySnapshot.measure(device)
     total = baseline.total_memory if total_memory is None else total_memory
     requested = _request_memory(total, utilization)
-    # vLLM's request_memory refuses to start when free memory at start-up is below the request; the lab's
-    # stand-in for "free at start-up" is free now plus what torch already holds for this process.
-    if total_memory is None and baseline.free_memory + baseline.torch_memory < requested:
+    # vLLM's request_memory refuses to start when free memory at start-up is below the request. vLLM profiles in
+    # a fresh process; the lab profiles a model already loaded, so its stand-in for "free at start-up" is free
+    # now plus this model's weights. Anything else this process holds (another engine's KV cache) is not free.
+    startup_free = baseline.free_memory + weights
+    if total_memory is None and startup_free < requested:
         raise ValueError(
-            f"Free memory on device {device} ({format_gib(baseline.free_memory + baseline.torch_memory)}/"
-            f"{format_gib(total)} GiB) on startup is less than desired GPU memory utilization "
-            f"({utilization}, {format_gib(requested)} GiB). Decrease GPU memory utilization or reduce GPU "
-            "memory used by other processes."
+            f"Free memory on device {device} ({format_gib(startup_free)}/{format_gib(total)} GiB) on startup is "
+            f"less than desired GPU memory utilization ({utilization}, {format_gib(requested)} GiB). Decrease GPU "
+            "memory utilization or reduce GPU memory used by other processes, or by other engines in this one "
+            f"(`del` them; this process holds {format_gib(max(0, baseline.torch_memory - weights))} GiB besides the "
+            "model's weights)."
         )
     run = dummy_run or (lambda n: _hf_dummy_run(model, n, min(max_num_seqs, n), device))
     cudagraph = 0
