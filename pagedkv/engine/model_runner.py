@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -175,8 +176,9 @@ class CUDAGraphRunner:
     the LM head runs after the replay on the sampled rows only (the runner's ``compute_logits``), so no graph
     keeps a ``[size, vocab]`` tensor of its own. Captured largest first, so smaller graphs reuse the pool.
     Mirrors ``GPUModelRunner.capture_model`` / ``CudagraphDispatcher`` and nano-vllm's ``capture_cudagraph``.
-    It holds the model, the caches and the logits function, not the runner (no reference cycle keeps the KV
-    cache alive after the engine is dropped).
+    It holds the model, the caches and a weak reference to the runner's ``compute_logits``, not the runner: no
+    reference cycle keeps the KV cache alive after the engine is dropped (CUDA frees memory only when the last
+    reference goes; a cycle waits for the garbage collector, which an out-of-memory error does not run).
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
@@ -184,7 +186,8 @@ class CUDAGraphRunner:
                  compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.device = kv_caches[0][0].device
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
-        self.compute_logits = compute_logits
+        # a weak reference: the runner holds this object, so a strong one back would be a cycle
+        self._compute_logits = weakref.WeakMethod(compute_logits)
         self.capture_sizes = sorted(capture_sizes)
         self.max_blocks = max_blocks
         n = self.capture_sizes[-1]
@@ -244,7 +247,9 @@ class CUDAGraphRunner:
         self.buffers.fill(inputs, size)
         self.graphs[size].replay()
         keep = torch.tensor(inputs.logits_indices, dtype=torch.long, device=self.device)  # [S]
-        return self.compute_logits(self.hidden[keep])
+        compute_logits = self._compute_logits()
+        assert compute_logits is not None, "the model runner that owns these graphs is gone"
+        return compute_logits(self.hidden[keep])
 
 
 # ---------------------------------------------------------------------------------------------------------
