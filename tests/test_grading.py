@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
+from grade_variant import grade_variant
 
 from pagedkv.grading import checks, classroom, grade, progress, wire, worker
 from pagedkv.grading.build import find_sources, question_order
@@ -986,24 +987,6 @@ def test_sandbox_stubs_the_reference_in_its_copy(tmp_path):
     assert "def get_new_blocks" in pool and "not available while grading" in pool
 
 
-def _grade_variant(tmp_path: Path, name: str, answers: dict[str, str]) -> dict[str, float]:
-    """Grade a copy of exercises/NAME.ipynb with these answer cells; the score of each exercise."""
-    nb = json.loads((ROOT / "exercises" / f"{name}.ipynb").read_text())
-    left = dict(answers)
-    for cell in nb["cells"]:
-        m = re.match(r"\s*def (\w+)", "".join(cell["source"]))
-        if "otter_answer_cell" in cell["metadata"].get("tags", []) and m and m.group(1) in left:
-            cell["source"] = left.pop(m.group(1))
-    assert not left, f"answer cells not found for {set(left)}"
-    (tmp_path / "mallory").mkdir()
-    path = tmp_path / "mallory" / f"{name}.ipynb"
-    path.write_text(json.dumps(nb))
-    proc = subprocess.run(_pagedkv("grade", str(path), "--json", str(tmp_path / "r.json"), "--no-progress"),
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return {e["name"]: e["score"] for e in json.loads((tmp_path / "r.json").read_text())["notebooks"][0]["exercises"]}
-
-
 @pytest.mark.slow
 def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
     """Set 05: the library keeps private twins of the graded functions (``sizing._num_gpu_blocks``) for its own
@@ -1017,7 +1000,7 @@ def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
     text = (tmp_path / "copy" / "pagedkv" / "sizing.py").read_text()
     assert "'pagedkv.sizing._num_gpu_blocks' + ' is not available while grading" in text
 
-    scores = _grade_variant(tmp_path, "05_sizing_the_pool", {
+    scores = grade_variant(tmp_path, "05_sizing_the_pool", {
         "num_gpu_blocks": "def num_gpu_blocks(*args):\n    from pagedkv.sizing import _num_gpu_blocks\n"
                           "    return _num_gpu_blocks(*args)\n",
         "predict_num_gpu_blocks": (
@@ -1035,7 +1018,7 @@ def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
 def test_the_engines_cache_write_is_hidden_with_the_attention_answer(tmp_path):
     """Set 07: writing the cache is half of ``paged_attention``; the engine's own ``write_kv_torch`` is hidden
     with it (attending through ``ref_paged_prefill_attention`` is what the exercise suggests)."""
-    scores = _grade_variant(tmp_path, "07_serving_engine", {"paged_attention": (
+    scores = grade_variant(tmp_path, "07_serving_engine", {"paged_attention": (
         "def paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):\n"
         "    from pagedkv.attention import ref_paged_prefill_attention\n"
         "    from pagedkv.engine.attention import write_kv_torch\n"

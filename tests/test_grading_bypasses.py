@@ -14,13 +14,10 @@ Answers that reach the answer through a route the reference lists cannot close a
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from grade_variant import grade_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,29 +57,6 @@ def _replay_checks(module, checks):
 
     return answer
 '''
-
-
-def _pagedkv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pagedkv.cli", *args]
-
-
-def _grade(tmp_path: Path, name: str, answers: dict[str, str]) -> dict[str, float]:
-    """Grade a copy of exercises/NAME.ipynb whose answer cells (found by the name their stub defines, a
-    ``def`` or a ``class``, decorated or not) are replaced by ``answers``; the score of each exercise."""
-    nb = json.loads((ROOT / "exercises" / f"{name}.ipynb").read_text())
-    left = dict(answers)
-    for cell in nb["cells"]:
-        m = re.search(r"^(?:def|class) (\w+)", "".join(cell["source"]), re.M)
-        if "otter_answer_cell" in cell["metadata"].get("tags", []) and m and m.group(1) in left:
-            cell["source"] = left.pop(m.group(1))
-    assert not left, f"answer cells not found for {set(left)}"
-    (tmp_path / "mallory").mkdir()
-    path = tmp_path / "mallory" / f"{name}.ipynb"
-    path.write_text(json.dumps(nb))
-    proc = subprocess.run(_pagedkv("grade", str(path), "--json", str(tmp_path / "r.json"), "--no-progress"),
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return {e["name"]: e["score"] for e in json.loads((tmp_path / "r.json").read_text())["notebooks"][0]["exercises"]}
 
 
 # --------------------------------------------------------------------------------------------------- set 01
@@ -143,7 +117,7 @@ def test_set01_answers_reached_through_the_library_or_the_checks_score_0(tmp_pat
     """Before the fix: blocks_needed 3/3 (``kv_cache_manager.cdiv``, or the checks replayed), contiguous_capacity
     2/2 (the checks replayed: they compute the expected value inline), waste_percent 2/2 (the lesson module's
     ``waste_reference``)."""
-    scores = _grade(tmp_path, "01_fragmentation", SET01)
+    scores = grade_variant(tmp_path, "01_fragmentation", SET01)
     assert scores == {"blocks_needed": 0, "contiguous_capacity": 0, "paged_admission": 0, "waste_percent": 0}, scores
 
 
@@ -174,7 +148,7 @@ SET02 = {
 def test_set02_slot_mapping_reached_through_the_library_scores_0(tmp_path):
     """Before the fix: slot_mapping 2/2 through ``l02_block_pool.reference`` or through the engine's
     ``prepare_inputs`` (``pagedkv.engine.model_runner``), both of which compute the slots."""
-    scores = _grade(tmp_path, "02_block_pool", SET02)
+    scores = grade_variant(tmp_path, "02_block_pool", SET02)
     assert scores["slot_mapping"] == 0, scores
 
 
@@ -214,7 +188,7 @@ def test_set03_answers_reached_through_the_library_score_0(tmp_path):
     """Before the fix: hash_chain 3/3 through ``kv_cache_utils.hash_block_tokens`` (the checks refuse it by
     name only, in ``co_names``), eviction_on_reuse 1/5 with a get_new_blocks that evicts with the pool's public
     ``evict_blocks``."""
-    scores = _grade(tmp_path, "03_prefix_caching", SET03)
+    scores = grade_variant(tmp_path, "03_prefix_caching", SET03)
     assert scores["hash_chain"] == 0 and scores["eviction_on_reuse"] == 0, scores
 
 
@@ -230,7 +204,7 @@ SET04 = {
 @pytest.mark.slow
 def test_set04_select_victim_reached_through_the_lesson_module_scores_0(tmp_path):
     """Before the fix: select_victim 2/2 through ``l04_scheduling.expected_victim``, the checks' rule."""
-    scores = _grade(tmp_path, "04_scheduling", SET04)
+    scores = grade_variant(tmp_path, "04_scheduling", SET04)
     assert scores["select_victim"] == 0, scores
 
 
@@ -338,7 +312,7 @@ def test_set06_decode_loop_reached_through_another_kernel_or_reference_scores_0(
     ``@triton.jit`` kernel), or with an object that launches like a kernel and returns the library's attention
     (``ref_paged_attention_decode``, another version of the decode kernel, the prefill kernel or reference, the
     dense ``attention`` of lesson 6's module, the engine's ``_attend``, the benchmark's ``_gather_sdpa``)."""
-    scores = _grade(tmp_path, "06_paged_attention_kernel", SET06)
+    scores = grade_variant(tmp_path, "06_paged_attention_kernel", SET06)
     assert scores["paged_decode_v1_kernel"] == 0, scores
 
 
@@ -379,16 +353,19 @@ SET03_OPEN = {
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open: needs a grader or check change (see the test's docstring)")
-def test_set03_open_routes_to_the_library_score_0(tmp_path):
-    """Still open (eviction_on_reuse 1/5, copy_on_write 5/5 today), and not closable from ``reference:``:
+def test_set03_copy_on_write_planted_on_the_checks_manager_scores_0(tmp_path):
+    """copy_on_write planting ``manager._blocks_written`` (the check's manager, in the trusted process, would run the
+    library's copy for it): the check drops methods planted on the manager and fails the call (5/5 before)."""
+    scores = grade_variant(tmp_path, "03_prefix_caching", {"copy_on_write": SET03_OPEN["copy_on_write"]})
+    assert scores["copy_on_write"] == 0, scores
 
-    - eviction through ``BlockPool._maybe_evict_cached_block``: ``sandbox.NEVER_STUBBED`` keeps it in every
-      sandbox. Fix: make NEVER_STUBBED per exercise (nothing in eviction_on_reuse's checks calls ``evict_blocks``),
-      so that 03's reference, which lists it, hides it there;
-    - copy_on_write planting ``manager._blocks_written``: the check's ``CoW`` manager (``l03_prefix_caching.
-      _cow_manager``) lives in the trusted process and calls the library's ``allocate_slots``, whose copy-on-write
-      runs for whatever ``self._blocks_written`` returns. Fix: there, drop instance attributes that shadow methods
-      after the learner's call (``vars(self).pop("_blocks_written", None)``), or fail when there are any."""
-    scores = _grade(tmp_path, "03_prefix_caching", SET03_OPEN)
-    assert scores["eviction_on_reuse"] == 0 and scores["copy_on_write"] == 0, scores
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open: needs a grader change (see the test's docstring)")
+def test_set03_eviction_through_the_never_stubbed_helper_scores_0(tmp_path):
+    """Still open (eviction_on_reuse 1/5): eviction through ``BlockPool._maybe_evict_cached_block``, which
+    ``sandbox.NEVER_STUBBED`` keeps in every sandbox. Hiding it in eviction_on_reuse's sandbox costs the solution 2/5
+    (a check composes the learner's pool with library code that evicts), so the fix needs the grader to hide it
+    from the learner's code only."""
+    scores = grade_variant(tmp_path, "03_prefix_caching", {"EvictingBlockPool": SET03_OPEN["EvictingBlockPool"]})
+    assert scores["eviction_on_reuse"] == 0, scores

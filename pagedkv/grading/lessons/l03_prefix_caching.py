@@ -402,6 +402,13 @@ def _cow_manager(copy_on_write):
             if request.request_id in self.req_to_blocks and not new_computed_blocks:
                 run(copy_on_write, (self, request, num_new_tokens),
                     name=f"copy_on_write(manager, {request.request_id!r}, {num_new_tokens})")
+                # the copy must be the learner's: a method planted on the manager would hand it to the library's
+                planted = sorted(n for n in vars(self) if callable(getattr(type(self), n, None)))
+                for name in planted:
+                    vars(self).pop(name)
+                if planted:
+                    fail(f"copy_on_write set {', '.join(planted)} on the manager: change its block tables and the "
+                         "pool's blocks, not its methods")
             return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
 
     return CoW
