@@ -316,6 +316,34 @@ def test_set06_decode_loop_reached_through_another_kernel_or_reference_scores_0(
     assert scores["paged_decode_v1_kernel"] == 0, scores
 
 
+@pytest.mark.slow
+def test_set06_an_object_that_launches_like_a_kernel_scores_0(tmp_path):
+    """paged_decode_v1_kernel must be a Triton kernel: a callable object with a ``.fn`` and ``[grid]`` that computes
+    the attention in PyTorch scored 3/3 (the check asked only for a callable ``.fn``)."""
+    fake = (
+        "class _Launcher:\n"
+        "    fn = print  # a callable .fn, as a kernel has\n"
+        "    def __call__(self, *args, **kwargs):\n"
+        "        raise TypeError('launch me with [grid]')\n"
+        "    def __getitem__(self, grid):\n"
+        "        def launch(out, q, kc, vc, bt, sl, qk_scale, *strides, GROUP, BLOCK_SIZE, HEAD_DIM):\n"
+        "            scale = qk_scale / 1.4426950408889634\n"
+        "            for b in range(q.shape[0]):\n"
+        "                n = int(sl[b])\n"
+        "                blocks = bt[b, : -(-n // BLOCK_SIZE)].long()\n"
+        "                k = kc[blocks].reshape(-1, kc.shape[2], kc.shape[3])[:n].float()\n"
+        "                v = vc[blocks].reshape(-1, vc.shape[2], vc.shape[3])[:n].float()\n"
+        "                for h in range(q.shape[1]):\n"
+        "                    w = ((k[:, h // GROUP] @ q[b, h].float()) * scale).softmax(0)\n"
+        "                    out[b, h] = (w @ v[:, h // GROUP]).to(out.dtype)\n"
+        "        return launch\n"
+        "\n"
+        "paged_decode_v1_kernel = _Launcher()\n"
+    )
+    scores = grade_variant(tmp_path, "06_paged_attention_kernel", {"paged_decode_v1_kernel": fake})
+    assert scores["paged_decode_v1_kernel"] == 0, scores
+
+
 # ------------------------------------------------------------------------------ open: not closable by references
 SET03_OPEN = {
     # The eviction is the library's _maybe_evict_cached_block, which sandbox.NEVER_STUBBED keeps in every sandbox

@@ -65,7 +65,7 @@ class Server:
             return {"$h": hid, "type": type(obj).__name__, "callable": True, "is_class": True,
                     "module": module if isinstance(module, str) else None, "name": obj.__name__,
                     "library_base": base}
-        return {"$h": hid, "type": type(obj).__name__, "callable": callable(obj),
+        return {"$h": hid, "type": type(obj).__name__, "type_module": type(obj).__module__, "callable": callable(obj),
                 "module": module if isinstance(module, str) else None,
                 "is_class": isinstance(obj, type), "name": name if isinstance(name, str) else None}
 

@@ -64,12 +64,24 @@ def _launch(what: str, fn, *args, **kwargs):
         _fail(f"{what} raised {type(exc).__name__}: {first}.{hint}")
 
 
+def _kernel_type(fn) -> tuple[str, str]:
+    """The name and module of ``fn``'s type; for a handle to the grader's sandbox, those of the object there."""
+    try:
+        meta = object.__getattribute__(fn, "_pagedkv_meta")
+    except AttributeError:
+        return type(fn).__name__, type(fn).__module__
+    return str(meta.get("type")), str(meta.get("type_module") or "")
+
+
 def _require_jit(fn, name: str) -> None:
+    """``fn`` is a Triton kernel: what ``@triton.jit`` makes (compiled or interpreted), not an object that looks
+    like one (a ``.fn`` and ``[grid]`` that compute the answer in PyTorch)."""
     from pagedkv.grading.checks import require_function
 
     require_function(fn, name)
-    if not hasattr(fn, "fn") or not callable(getattr(fn, "fn", None)):
-        _fail(f"{name} must be decorated with @triton.jit (it is a plain {type(fn).__name__})")
+    kind, module = _kernel_type(fn)
+    if kind not in ("JITFunction", "InterpretedFunction") or not module.startswith("triton."):
+        _fail(f"{name} must be decorated with @triton.jit (it is a {kind})")
 
 
 def _padded(t: torch.Tensor, fill: float, slack: int | None = None) -> torch.Tensor:
