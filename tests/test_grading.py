@@ -987,6 +987,17 @@ def test_sandbox_stubs_the_reference_in_its_copy(tmp_path):
     assert "def get_new_blocks" in pool and "not available while grading" in pool
 
 
+def test_every_exercise_hides_its_lessons_checks():
+    """A check that computes its expected values inline would hand them to a learner's function that runs it with
+    recording stand-ins for expect_equal (set 01 scored 2/2 that way): every check of the set's lesson module is
+    hidden in the sandbox of every exercise of the set."""
+    checks = {f"pagedkv.grading.lessons.l04_scheduling.{n}" for n in (
+        "grade_hook", "grade_select_victim", "check_hook", "check_select_victim_cases", "example_scenarios",
+        "public_scenarios", "example_victim_cases", "random_victim_cases")}
+    for q in worker.load_tests(ROOT / "grading" / "autograder" / "04_scheduling.zip"):
+        assert checks <= set(q.reference), (q.name, checks - set(q.reference))
+
+
 @pytest.mark.slow
 def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
     """Set 05: the library keeps private twins of the graded functions (``sizing._num_gpu_blocks``) for its own

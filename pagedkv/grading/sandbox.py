@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["DEFAULT_MEMORY", "FALLBACK_REFERENCE", "Sandbox", "close_all", "isolation_summary", "stub_symbols",
-           "with_private_twins"]
+           "lesson_checks", "with_private_twins"]
 
 #: Address-space limit of the sandbox process (bytes).
 DEFAULT_MEMORY = 4 << 30
@@ -93,6 +93,30 @@ def with_private_twins(symbols: Iterable[str]) -> list[str]:
         twin = getattr(module, f"_{name}", None)
         if inspect.isfunction(twin) and twin.__module__ == module_name and f"{module_name}._{name}" not in out:
             out.append(f"{module_name}._{name}")
+    return out
+
+
+def lesson_checks(test_sources: Iterable[str]) -> list[str]:
+    """The checks of the lesson modules (``pagedkv.grading.lessons.lNN_*``) these test files use: every function the
+    tests import from them (``check_*``, set 04's ``grade_*`` and case builders) and every ``check_*`` function.
+    They run in the trusted process; in the sandbox they are hidden from every exercise of the set, because a
+    check that computes its expected values inline would hand them to a learner's function that runs it with
+    recording stand-ins for ``expect_equal`` (a notebook cell that runs them there fails with "not available
+    while grading", which is not reported)."""
+    import importlib
+    import inspect
+    import re
+
+    wanted: dict[str, set[str]] = {}
+    for src in test_sources:
+        for module, names in re.findall(r"from pagedkv\.grading\.lessons\.(l\d\d_\w+) import ([\w, ()\n]+)", src):
+            wanted.setdefault(module, set()).update(re.findall(r"\w+", names))
+    out: list[str] = []
+    for name, imported in sorted(wanted.items()):
+        module = importlib.import_module(f"pagedkv.grading.lessons.{name}")
+        out += [f"{module.__name__}.{fn}" for fn, obj in vars(module).items()
+                if (fn in imported or fn.startswith("check_")) and inspect.isfunction(obj)
+                and obj.__module__ == module.__name__]
     return out
 
 

@@ -172,7 +172,7 @@ class Question:
 def load_tests(zip_path: Path) -> list[Question]:
     """The set's questions in notebook order, with their test cases (the zip's ``tests/*.py``, defined here: the
     test files are the course's code, read from the trusted zip) and reference symbols."""
-    from pagedkv.grading.sandbox import FALLBACK_REFERENCE, NEVER_STUBBED, with_private_twins
+    from pagedkv.grading.sandbox import FALLBACK_REFERENCE, NEVER_STUBBED, lesson_checks, with_private_twins
 
     questions: dict[str, Question] = {}
     order: list[str] = []
@@ -205,6 +205,10 @@ def load_tests(zip_path: Path) -> list[Question]:
             ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
             reference = with_private_twins([str(r) for r in (ref or [])] + FALLBACK_REFERENCE.get(qname, []))
             questions[qname] = Question(qname, cases, sorted(set(reference) - NEVER_STUBBED))
+        tests = [e for e in names if e.startswith("tests/") and e.endswith(".py")]
+        checks = lesson_checks(zf.read(e).decode("utf-8") for e in tests)
+    for q in questions.values():
+        q.reference[:] = sorted(set(q.reference) | set(checks))
     rank = {q: i for i, q in enumerate(order)}
     return sorted(questions.values(), key=lambda q: (rank.get(q.name, len(rank)), q.name))
 
