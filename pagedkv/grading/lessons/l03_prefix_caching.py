@@ -276,18 +276,22 @@ def check_hash_chain_hidden(hash_chain):
         _expect_chain(hash_chain, toks, bs, fn, extra)
 
 
+def _learner_class(cls, name: str, base: type, methods: tuple[str, ...]):
+    """The learner's class ``name``: defined, a subclass of ``base``, with its own ``methods``."""
+    if cls is None:
+        fail(f"{name} is not defined: run the cell that defines it (and the cells above) first")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        fail(f"{name} should be a subclass of {base.__name__}, got {describe(cls)}")
+    for meth in methods:
+        if (getattr(getattr(cls, meth), "__module__", "") or "").startswith("pagedkv."):
+            fail(f"{name}.{meth} is the library's: define it in your class")
+    return cls
+
+
 def _learner_manager(PrefixCachingKVCacheManager):
     """The learner's PrefixCachingKVCacheManager: defined, a KVCacheManager, with its own lookup and caching."""
-    Learner = PrefixCachingKVCacheManager
-    if Learner is None:
-        fail("PrefixCachingKVCacheManager is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, KVCacheManager)):
-        fail(f"PrefixCachingKVCacheManager should be a subclass of KVCacheManager, got {describe(Learner)}")
-    for meth in ("get_computed_blocks", "_cache_blocks"):
-        fn = getattr(Learner, meth)
-        if (getattr(fn, "__module__", "") or "").startswith("pagedkv."):
-            fail(f"PrefixCachingKVCacheManager.{meth} is the library's: define it in your class")
-    return Learner
+    return _learner_class(PrefixCachingKVCacheManager, "PrefixCachingKVCacheManager", KVCacheManager,
+                          ("get_computed_blocks", "_cache_blocks"))
 
 
 def _make_manager(cls, *args, **kwargs):
@@ -362,15 +366,7 @@ def _allocate_caching(m, r, n, hits=None, what=""):
 
 def _learner_pool(EvictingBlockPool):
     """The learner's EvictingBlockPool: defined, a BlockPool, with its own free_blocks and get_new_blocks."""
-    Learner = EvictingBlockPool
-    if Learner is None:
-        fail("EvictingBlockPool is not defined: run the cell that defines it (and the cells above) first")
-    if not (isinstance(Learner, type) and issubclass(Learner, BlockPool)):
-        fail(f"EvictingBlockPool should be a subclass of BlockPool, got {describe(Learner)}")
-    for meth in ("free_blocks", "get_new_blocks"):
-        if (getattr(getattr(Learner, meth), "__module__", "") or "").startswith("pagedkv."):
-            fail(f"EvictingBlockPool.{meth} is the library's: define it in your class")
-    return Learner
+    return _learner_class(EvictingBlockPool, "EvictingBlockPool", BlockPool, ("free_blocks", "get_new_blocks"))
 
 
 def _attempt_on_pool(fn, args, what, refuse_library=True):
