@@ -22,14 +22,16 @@ from pagedkv.engine.model_runner import (
     prepare_inputs,
 )
 from pagedkv.engine.sampler import Sampler, make_generator
+from pagedkv.grading.lessons.l07_serving_engine import TINY_CONFIG, seeded_tiny_model
 
 NEAR_TIE = 1e-5
 MAX_NEW = 10
-VOCAB = 512
+VOCAB = TINY_CONFIG["vocab_size"]
 
 
 def tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
-    """A 2-layer model of the given family with seeded random weights (GQA: 4 query heads, 2 KV heads)."""
+    """A 2-layer model of the given family with seeded random weights (GQA: 4 query heads, 2 KV heads): lesson 7's
+    tiny model (``TINY_CONFIG``) in that family."""
     import transformers
 
     cls_config, cls_model = {
@@ -37,17 +39,7 @@ def tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
-    config = cls_config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, eos_token_id=None,
-        bos_token_id=None, pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    model = cls_model(config).eval()
-    model.set_attn_implementation("eager")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return seeded_tiny_model(cls_config, cls_model, seed)
 
 
 def make_prompts(n: int = 16, lo: int = 3, hi: int = 60, seed: int = 1, prefix: list[int] | None = None):
