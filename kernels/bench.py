@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.attention import ref_paged_attention_decode, ref_paged_prefill_attention, relative_error
-from pagedkv.benchmarks.provenance import git_commit
+from pagedkv.benchmarks.provenance import cpu_model, git_commit
 
 from . import _common
 from .cache import reshape_and_cache
@@ -513,7 +513,7 @@ def _fmt_row(r: dict) -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}), Triton interpreter"
+    return f"CPU ({cpu_model()}), Triton interpreter"
 
 
 def table(result: dict) -> str:

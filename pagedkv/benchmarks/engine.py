@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.benchmarks.provenance import git_commit
+from pagedkv.benchmarks.provenance import cpu_model, git_commit
 
 IMPLS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "pagedkv")
 
@@ -313,18 +313,6 @@ def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None,
     }
     return {"rows": rows, "config": config}
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` where there is one), else the machine type."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
-"""Where a measurement comes from: the commit it was taken at (written into every benchmark's JSON)."""
+"""Where a measurement comes from: the commit it was taken at and the CPU (written into the benchmarks' JSON)."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from pathlib import Path
 
@@ -19,3 +20,15 @@ def git_commit(paths: tuple[str, ...] = ("kernels", "pagedkv")) -> str:
         return out.stdout.strip() + ("+local changes" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` where there is one), else the machine type."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
