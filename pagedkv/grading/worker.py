@@ -177,6 +177,7 @@ def load_tests(zip_path: Path) -> list[Question]:
     questions: dict[str, Question] = {}
     order: list[str] = []
     described: dict[str, Any] = {}
+    sources: list[str] = []
     with zipfile.ZipFile(zip_path) as zf:
         names = zf.namelist()
         if "questions.json" in names:
@@ -188,6 +189,7 @@ def load_tests(zip_path: Path) -> list[Question]:
             if not (entry.startswith("tests/") and entry.endswith(".py")):
                 continue
             source = zf.read(entry).decode("utf-8")
+            sources.append(source)
             cases: list[Case] = []
 
             def test_case(name: str | None = None, points: float | None = None, hidden: bool = False,
@@ -203,12 +205,11 @@ def load_tests(zip_path: Path) -> list[Question]:
             exec(compile(source, f"<tests/{Path(entry).name}>", "exec"), namespace)  # noqa: S102 - trusted zip
             qname = str(namespace.get("name") or Path(entry).stem)
             ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
-            reference = with_private_twins([str(r) for r in (ref or [])] + FALLBACK_REFERENCE.get(qname, []))
-            questions[qname] = Question(qname, cases, sorted(set(reference) - NEVER_STUBBED))
-        tests = [e for e in names if e.startswith("tests/") and e.endswith(".py")]
-        checks = lesson_checks(zf.read(e).decode("utf-8") for e in tests)
+            questions[qname] = Question(qname, cases, with_private_twins(
+                [str(r) for r in (ref or [])] + FALLBACK_REFERENCE.get(qname, [])))
+    checks = lesson_checks(sources)  # hidden in every exercise of the set
     for q in questions.values():
-        q.reference[:] = sorted(set(q.reference) | set(checks))
+        q.reference[:] = sorted((set(q.reference) | set(checks)) - NEVER_STUBBED)
     rank = {q: i for i, q in enumerate(order)}
     return sorted(questions.values(), key=lambda q: (rank.get(q.name, len(rank)), q.name))
 
