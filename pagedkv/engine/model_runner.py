@@ -115,6 +115,13 @@ def bucket_for(batch_size: int, capture_sizes: Sequence[int]) -> int | None:
     return None
 
 
+def padded_block_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The requests' block tables as one ``[B, W]`` int32 tensor, ``W`` the longest, shorter rows padded with the
+    null block 0 (read by nobody: entries past a request's ``seq_len`` are never read)."""
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+
+
 class GraphInputBuffers:
     """The static inputs of the decode graphs: one set of tensors, sized for the largest bucket, that every graph
     reads from, so a graph replays on new inputs once they are copied in (a graph is frozen: fixed addresses).
@@ -142,10 +149,10 @@ class GraphInputBuffers:
             raise ValueError("a decode graph takes a decode-only step (one token per request)")
         if not b <= size <= self.input_ids.shape[0]:
             raise ValueError(f"cannot run {b} requests in a graph of {size} (buffers for {self.input_ids.shape[0]})")
-        width = max(len(t) for t in inputs.block_tables)
+        tables = padded_block_tables(inputs.block_tables)  # [B, W]
+        width = tables.shape[1]
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a block table of {width} blocks; the graphs hold {self.block_tables.shape[1]}")
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32)
         for buf, real, pad in ((self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
                                (self.slot_mapping, inputs.slot_mapping, -1), (self.seq_lens, inputs.seq_lens, 1)):
             buf[:b].copy_(torch.tensor(real, dtype=buf.dtype), non_blocking=True)
@@ -341,8 +348,7 @@ class ModelRunner:
         """The step's :class:`AttentionMetadata` on the runner's device. Mirrors
         ``FlashAttentionMetadataBuilder.build``."""
         dev = self.device
-        width = max(len(t) for t in inputs.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], dtype=torch.int32)  # [B, W]
+        tables = padded_block_tables(inputs.block_tables)  # [B, W]
         qsl = inputs.query_start_loc
         decodes = [b for b in range(len(inputs.req_ids)) if qsl[b + 1] - qsl[b] == 1]
         prefills = [(b, qsl[b], qsl[b + 1], inputs.seq_lens[b]) for b in range(len(inputs.req_ids))
