@@ -59,6 +59,22 @@ def _replay_checks(module, checks):
 '''
 
 
+# A set-03 pool whose only work of its own is popping blocks: the eviction is reached in the library ({evict}).
+EVICTING_POOL = '''class EvictingBlockPool(BlockPool):
+    def free_blocks(self, ordered_blocks):
+        ...
+
+    def get_new_blocks(self, num_blocks):
+        if num_blocks < 0 or num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError("no")
+        blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
+        for block in blocks:
+            block.ref_cnt = 1
+        {evict}
+        return blocks
+'''
+
+
 # --------------------------------------------------------------------------------------------------- set 01
 SET01 = {
     # kv_cache_manager.cdiv is blocks_needed without the checks; then the checks' own expected values
@@ -167,19 +183,8 @@ SET03 = {
     return out
 ''',
     # eviction done by the pool's public evict_blocks (free_blocks left as the stub)
-    "EvictingBlockPool": '''class EvictingBlockPool(BlockPool):
-    def free_blocks(self, ordered_blocks):
-        ...
-
-    def get_new_blocks(self, num_blocks):
-        if num_blocks < 0 or num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError("no")
-        blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
-        for block in blocks:
-            block.ref_cnt = 1
-        getattr(self, "evict" + "_blocks")([block.block_id for block in blocks])
-        return blocks
-''',
+    "EvictingBlockPool": EVICTING_POOL.format(
+        evict='getattr(self, "evict" + "_blocks")([block.block_id for block in blocks])'),
 }
 
 
@@ -348,19 +353,8 @@ def test_set06_an_object_that_launches_like_a_kernel_scores_0(tmp_path):
 SET03_OPEN = {
     # The eviction is the library's _maybe_evict_cached_block, which sandbox.NEVER_STUBBED keeps in every sandbox
     # (set 02 gives it to the learner as evict_if_cached; set 04's scheduler needs it through evict_blocks).
-    "EvictingBlockPool": '''class EvictingBlockPool(BlockPool):
-    def free_blocks(self, ordered_blocks):
-        ...
-
-    def get_new_blocks(self, num_blocks):
-        if num_blocks < 0 or num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError("no")
-        blocks = [self.free_block_queue.popleft() for _ in range(num_blocks)]
-        for block in blocks:
-            block.ref_cnt = 1
-            getattr(self, "_maybe_evict" + "_cached_block")(block)
-        return blocks
-''',
+    "EvictingBlockPool": EVICTING_POOL.format(
+        evict='for block in blocks:\n            getattr(self, "_maybe_evict" + "_cached_block")(block)'),
     # Only the choice of blocks is the learner's: it is planted on the manager (a mirrored object of the check's
     # process) as a one-shot _blocks_written, so the check's own super().allocate_slots, which is the library's in
     # the trusted process, does the copy itself (fresh block, table, free, pending_copies).
