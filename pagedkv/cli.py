@@ -4,8 +4,9 @@
     pagedkv grade --class FOLDER --csv FILE              grade a class's notebooks, one CSV
     pagedkv build-exercises [--check] [--force] [NAME...] grading/source/ -> exercises/, solutions/, zips
     pagedkv bench [NAME...]                               run the lab's benchmarks (see BENCHMARKS)
+    pagedkv serve MODEL [--port N ...]                    an OpenAI-compatible server (vllm serve's flags)
 
-``./lab grade``, ``./lab exercises`` and ``./lab bench`` call these.
+``./lab grade``, ``./lab exercises``, ``./lab bench`` and ``./lab serve`` call these.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ BENCHMARKS: dict[str, str] = {
     "scheduling": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator
     "kernels": "pagedkv.kernels.bench",  # lesson 6: decode kernels (tiny interpreter run on a CPU)
     "engine": "pagedkv.benchmarks.engine",  # lesson 7: HF generate / static batch / generate_batch vs the engine
+    "serve": "pagedkv.benchmarks.serve",  # lesson 9: load generator against the OpenAI-compatible server
 }
+#: Benchmarks that need options (and a server) to run: ``pagedkv bench`` without names skips them.
+NEEDS_OPTIONS = {"serve"}
 
 
 def _repo_root() -> Path:
@@ -124,7 +128,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    names = args.names or list(BENCHMARKS)
+    names = args.names or [n for n in BENCHMARKS if n not in NEEDS_OPTIONS]
     extra = getattr(args, "extra", [])
     if extra and len(names) != 1:
         print(f"pagedkv bench: options {extra} go to one benchmark; name exactly one (e.g. pagedkv bench engine "
@@ -142,6 +146,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"pagedkv bench: {name} exited with status {rc}", file=sys.stderr)
             status = 1
     return status
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagedkv.entrypoints.api_server import run_server
+
+    return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "is kept under .pagedkv/replaced/")
     b.add_argument("--root", help=argparse.SUPPRESS)
     b.set_defaults(func=_cmd_build)
+
+    from pagedkv.entrypoints.cli_args import make_arg_parser
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (lesson 9)")
+    make_arg_parser(s)
+    s.set_defaults(func=_cmd_serve)
 
     r = sub.add_parser("bench", help="run benchmarks and print their tables")
     r.add_argument(
