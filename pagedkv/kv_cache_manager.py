@@ -22,6 +22,7 @@ from pagedkv.kv_cache_utils import (
 )
 from pagedkv.request import Request
 from pagedkv.trace import EventTrace
+from pagedkv.utils import cdiv, check_int
 
 
 class UnknownRequestError(KeyError, ValueError):
@@ -29,10 +30,6 @@ class UnknownRequestError(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0]) if self.args else ""
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -180,8 +177,7 @@ class KVCacheManager:
         being admitted on its first chunk only to stall (or preempt others) halfway. Mirrors
         ``KVCacheManager.allocate_slots`` (``get_num_blocks_to_allocate`` with the full sequence).
         """
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        num_new_tokens = check_int(num_new_tokens, "num_new_tokens", 0)
         if not isinstance(full_sequence_must_fit, bool):
             raise ValueError(f"full_sequence_must_fit must be a bool, got {full_sequence_must_fit!r}")
         rid = request.request_id
