@@ -33,7 +33,8 @@ from pagedkv.distributed.layers import (
     num_kv_heads_per_rank,
 )
 from pagedkv.distributed.shard import check_shardable, shard_model
-from pagedkv.distributed.sizing import (
+from pagedkv.engine import LLM, SamplingParams
+from pagedkv.sizing.parallel import (
     DEEPSEEK_V3,
     LLAMA_3_1_70B,
     QWEN2_5_1_5B,
@@ -41,7 +42,6 @@ from pagedkv.distributed.sizing import (
     rank_sizing,
     unify_num_blocks,
 )
-from pagedkv.engine import LLM, SamplingParams
 
 GiB = 1 << 30
 

@@ -313,7 +313,7 @@ class MultiprocExecutor:
         is per rank, one figure for all or one per rank), then the minimum, since one scheduler hands out block
         ids that must exist on every rank (``get_kv_cache_configs``, ``vllm/v1/core/kv_cache_utils.py``). The
         per-rank counts stay in ``num_blocks_per_rank``."""
-        from pagedkv.distributed.sizing import unify_num_blocks
+        from pagedkv.sizing.parallel import unify_num_blocks
 
         budget = kv_cache_memory_bytes
         if budget is None or isinstance(budget, int):

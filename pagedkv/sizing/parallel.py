@@ -92,7 +92,7 @@ def kv_page_bytes_per_rank(config: Any, tp_size: int, block_size: int = 16,
 
 def model_shape_dtype(config: Any) -> torch.dtype:
     """The config's dtype (``torch_dtype`` / ``dtype``), float32 when it names none."""
-    from pagedkv.sizing import _config_dtype
+    from pagedkv.sizing.model import _config_dtype
 
     return _config_dtype(config)
 
