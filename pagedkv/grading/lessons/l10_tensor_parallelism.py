@@ -61,16 +61,18 @@ def expected_heads(num_kv_heads: int, tp: int, rank: int) -> list[int]:
 
 def _heads_mistakes(h: int, tp: int, rank: int) -> list[tuple[list[int], str]]:
     n = max(1, h // tp)
+    replicas = max(1, tp // h)
+    split = list(range(rank * n, rank * n + n))
     out = [
-        (list(range(rank * n, rank * n + n)),
-         f"with {tp} ranks and {h} KV head(s), splitting by rank * {n} gives rank {rank} heads past the last one "
-         f"({h - 1}): when tp exceeds the KV heads, each head is replicated on tp // num_kv_heads = {tp // h} "
-         "neighbouring ranks"),
-        ([rank % h], f"replicas are neighbours, not interleaved: rank {rank}'s query heads read KV head "
-                     f"rank // (tp // num_kv_heads) = {rank // max(1, tp // h)}, not rank % num_kv_heads"),
+        ([rank % h], f"each KV head is replicated on {replicas} NEIGHBOURING ranks (those holding the query heads "
+                     f"that read it): rank {rank} holds head rank // (tp // num_kv_heads) = {rank // replicas}"),
         (list(range(rank * (h // tp), (rank + 1) * (h // tp))),
          f"num_kv_heads // tp is 0 here ({h} // {tp}): every rank still needs the one KV head its query heads read"),
     ]  # fmt: skip
+    if split and split[-1] >= h:
+        out.insert(0, (split, f"with {tp} ranks and {h} KV head(s), splitting by rank * {n} gives rank {rank} heads "
+                              f"past the last one ({h - 1}): when tp exceeds the KV heads, each head is replicated on "
+                              f"tp // num_kv_heads = {replicas} neighbouring ranks"))
     return out
 
 
