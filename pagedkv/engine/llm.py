@@ -23,9 +23,10 @@ from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.kv_cache_manager import KVCacheManager, cdiv
+from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
+from pagedkv.utils import cdiv
 
 #: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {

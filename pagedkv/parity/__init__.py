@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedkv.parity.report import Divergence, DriverResult, ParityReport
+from pagedkv.utils import check_int
 
 __all__ = ["Divergence", "DriverResult", "ParityReport", "available", "check"]
 
@@ -68,6 +69,5 @@ def check(lesson: int, seeds: int = 20, impl: Any = None) -> ParityReport:
 
     if isinstance(lesson, bool) or lesson not in LESSON_DRIVERS:
         raise ValueError(f"lesson must be one of {sorted(LESSON_DRIVERS)}, got {lesson!r}")
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
+    seeds = check_int(seeds, "seeds", 1)
     return run([lesson], seeds, impl)
