@@ -600,7 +600,13 @@ class KVCacheManager:
         # Out-of-window blocks go first (vLLM frees them even if this allocation then fails), on the
         # processed-token basis: tokens still in flight (async scheduling) may be read by a running step.
         in_flight = getattr(request, "num_in_flight_tokens", 0)
+        before = self._held_ids(rid) if self.trace is not None else set()
         coord.remove_skipped_blocks(rid, max(0, total_computed - in_flight))
+        if self.trace is not None:
+            dropped = sorted(before - self._held_ids(rid))
+            if dropped:
+                caption = f"{rid}: blocks {dropped} fell out of the window (freed, the null block in their place)"
+                self._record_groups("free", rid, caption)
         num_needed = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, num_local_computed)
         held = rid in self.req_to_blocks
         managers = coord.single_type_managers
@@ -626,6 +632,10 @@ class KVCacheManager:
             update_block_hashes(request, self.block_size, self.hash_fn)
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self._pack(tuple(c + f for c, f in zip(fresh_cow, fresh, strict=True)))
+
+    def _held_ids(self, rid: str) -> set[int]:
+        assert self.coordinator is not None
+        return {b.block_id for group in self.coordinator.get_blocks(rid) for b in group if not b.is_null}
 
     def _free_groups(self, request: Request) -> None:
         assert self.coordinator is not None
