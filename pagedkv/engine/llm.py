@@ -12,10 +12,12 @@ The scheduler, KV cache manager and block pool are the lesson 2-4 classes, uncha
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
@@ -54,6 +56,24 @@ def check_architecture(config: Any) -> None:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_token_list(p: object) -> bool:
+    """Whether ``p`` is one prompt of token ids rather than a list of prompts: a non-empty sequence whose first
+    element is a number (its elements are checked by :func:`_token_ids`)."""
+    return (isinstance(p, Sequence) and not isinstance(p, (str, bytes, bytearray)) and len(p) > 0
+            and isinstance(p[0], (numbers.Number, np.generic)))
+
+
+def _token_ids(i: int, p: Sequence[Any] | np.ndarray) -> list[int]:
+    """Prompt ``i``'s token ids as Python ints: every integer type is accepted (numpy's too), a bool or any
+    other element is refused by position (``ValueError``)."""
+    values = p.tolist() if isinstance(p, np.ndarray) else list(p)
+    for j, t in enumerate(values):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"prompt {i}: element {j} is {t!r} ({type(t).__name__}), not a token id: token ids "
+                             "are ints (numpy integers too; bools are refused)")
+    return [int(t) for t in values]
 
 
 @dataclass
@@ -259,8 +279,9 @@ class LLM:
     def _tokenize(self, prompts: Any) -> tuple[list[list[int]], list[str | None]]:
         """Each prompt's token ids and text. A prompt is a string, a list of token ids, or vLLM's dict forms
         ``{"prompt": text}`` (``TextPrompt``) and ``{"prompt_token_ids": ids}`` (``TokensPrompt``)."""
-        if isinstance(prompts, (str, Mapping)) or (
-                isinstance(prompts, Sequence) and prompts and all(map(_is_int, prompts))):
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
             raise ValueError("prompts must be a string, a list of token ids, a {'prompt_token_ids': ...} or "
@@ -282,8 +303,8 @@ class LLM:
                     raise ValueError("text prompts need a tokenizer; this model has none: pass token ids")
                 tokens = list(self.tokenizer(p)["input_ids"])
                 texts.append(p)
-            elif isinstance(p, Sequence) and all(map(_is_int, p)):
-                tokens = list(p)
+            elif _is_token_list(p) or isinstance(p, np.ndarray):
+                tokens = _token_ids(i, p)
                 texts.append(None)
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
@@ -328,6 +349,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_ids) or not all(isinstance(p, SamplingParams) for p in params_list):
                 raise ValueError(f"give one SamplingParams, or one per prompt ({len(prompt_ids)})")
+        # checked again now, so a field changed after construction is refused; the engine keeps its own copies
+        params_list = [p.verified() for p in params_list]
         clamped = []
         for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
             max_tokens = min(params.max_tokens, self.max_model_len - len(ids))  # vLLM clamps the same way
@@ -342,9 +365,6 @@ class LLM:
             seq.children = [(f"{base}-{j}", child_params[j]) for j in range(1, params.n)]
             seqs[base] = seq
         self._next_id += len(prompt_ids)
-        for seq in seqs.values():
-            self.scheduler.add_request(seq.request)
-
         done: dict[str, _Sequence] = {}
         remaining = sum(p.n for p in params_list)
         from tqdm.auto import tqdm
@@ -353,6 +373,8 @@ class LLM:
         left = {i: p.n for i, p in enumerate(params_list)}
         idle = 0
         try:
+            for seq in seqs.values():
+                self.scheduler.add_request(seq.request)
             while remaining:
                 steps_before = self.stats["forward_tokens"]
                 for rid in self.step(seqs):
