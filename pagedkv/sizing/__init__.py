@@ -38,7 +38,9 @@ The package keeps each part where vLLM keeps it:
 - :mod:`pagedkv.sizing.model`: a config's shape numbers (``vllm/config/model.py``), parameters, activations;
 - :mod:`pagedkv.sizing.kv_cache_utils`: the page arithmetic (``vllm/v1/core/kv_cache_utils.py``);
 - :mod:`pagedkv.sizing.mem_utils`: memory snapshots and profiling (``vllm/utils/mem_utils.py``);
-- :mod:`pagedkv.sizing.gpu_worker`: the profile run and its result (``vllm/v1/worker/gpu_worker.py``).
+- :mod:`pagedkv.sizing.gpu_worker`: the profile run and its result (``vllm/v1/worker/gpu_worker.py``);
+- :mod:`pagedkv.sizing.hybrid`: hybrid models (lesson 8): KV cache groups, page-size unification, each spec's
+  ``max_memory_usage_bytes`` and the concurrency vLLM logs (``vllm/v1/core/kv_cache_utils.py``).
 
 Everything public is re-exported here, so ``from pagedkv.sizing import profile`` works as before.
 """
@@ -50,6 +52,7 @@ from pagedkv.sizing.gpu_worker import (
     analytic_profile,
     profile,
 )
+from pagedkv.sizing.hybrid import HYBRID_SHAPES, HybridSizing, hybrid_sizing
 from pagedkv.sizing.kv_cache_utils import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     KV_CACHE_DTYPES,
@@ -68,6 +71,8 @@ __all__ = [
     "DEFAULT_CUDAGRAPH_BATCH_SIZES",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "GiB",
+    "HYBRID_SHAPES",
+    "HybridSizing",
     "KV_CACHE_DTYPES",
     "MemoryProfile",
     "MemoryProfilingResult",
@@ -77,6 +82,7 @@ __all__ = [
     "check_enough_kv_cache_memory",
     "estimate_peak_activation",
     "format_gib",
+    "hybrid_sizing",
     "kv_page_bytes",
     "max_concurrency",
     "memory_profiling",
