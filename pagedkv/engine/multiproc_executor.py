@@ -92,11 +92,11 @@ def worker_main(rank: int, world_size: int, port: int, device: str, conn: mpc.Co
     from pagedkv.engine.worker import Worker
 
     try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)  # before NCCL's communicator is created
         store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=_timedelta(60))
         init_distributed_environment(rank, world_size, store, "nccl" if device == "cuda" else "gloo",
                                      COLLECTIVE_TIMEOUT_S)
-        if device == "cuda":
-            torch.cuda.set_device(rank)
         worker = Worker(rank, world_size, f"cuda:{rank}" if device == "cuda" else "cpu")
         conn.send((0, "ok", os.getpid()))
     except BaseException:

@@ -42,7 +42,8 @@ def serialize_model(model: torch.nn.Module) -> bytes:
     """The model's class, config and weights as bytes (``torch.save``), what each rank rebuilds its shard from.
     vLLM's workers read their slices from the checkpoint files instead (``weight_loader``)."""
     buf = io.BytesIO()
-    torch.save({"cls": type(model), "config": model.config, "state_dict": model.state_dict()}, buf)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # each rank moves its shard to its device
+    torch.save({"cls": type(model), "config": model.config, "state_dict": state}, buf)
     return buf.getvalue()
 
 
