@@ -122,6 +122,8 @@ class LLM:
         num_cpu_blocks: int | None = None,
         enforce_eager: bool = False,
         tokenizer: Any = None,
+        tensor_parallel_size: int = 1,
+        kv_cache_memory_bytes: int | Sequence[int] | None = None,
     ) -> None:
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs), ("seed", seed)):
             if not _is_int(value) or value < (0 if name == "seed" else 1):
@@ -167,25 +169,40 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.memory_profile = None
-        if num_gpu_blocks is None:
-            num_gpu_blocks = self._size_pool(
-                gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager)
-        elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
-        self.num_gpu_blocks = num_gpu_blocks
-        if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
-            num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
-                if preemption_mode == "swap" else 0
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
-            preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
-        )
-        self.runner = ModelRunner(
-            self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
-            num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
-            use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
-        )
+        if num_gpu_blocks is None and _is_int(kv_cache_memory_bytes) and tensor_parallel_size == 1:
+            num_gpu_blocks = max(2, kv_cache_memory_bytes // self._block_bytes())  # vLLM's kv_cache_memory_bytes
+        self.executor = None
+        try:
+            self.executor = self._start_executor(tensor_parallel_size) if tensor_parallel_size != 1 else None
+            if self.executor is not None and num_gpu_blocks is None:  # lesson 10: each rank's count, the minimum
+                num_gpu_blocks = self.executor.determine_num_blocks(block_size, kv_cache_memory_bytes,
+                                                                    gpu_memory_utilization)
+            if num_gpu_blocks is None:
+                num_gpu_blocks = self._size_pool(
+                    gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager)
+            elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
+                raise ValueError(
+                    f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
+            self.num_gpu_blocks = num_gpu_blocks
+            if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
+                num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
+                    if preemption_mode == "swap" else 0
+            self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+            self.scheduler = Scheduler(
+                self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
+                preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
+            )
+            if self.executor is not None:  # lesson 10: every rank allocates its shard of the same pool
+                self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks, block_size, max_model_len,
+                                               self.attn_backend, max_num_seqs)
+            self.runner = self.executor or ModelRunner(
+                self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
+                num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
+                use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
+            )
+        except BaseException:
+            self.shutdown()  # no worker outlives a failed start
+            raise
         self.sampler = Sampler(make_generator(seed, self.device))
         self.eos_token_ids = self._eos_token_ids()
         self._next_id = 0
@@ -194,6 +211,30 @@ class LLM:
     # ------------------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------------------
+    def _start_executor(self, tensor_parallel_size: int):
+        """Lesson 10: ``tensor_parallel_size`` worker processes, each holding its shard of the model and of the
+        KV cache (:class:`~pagedkv.engine.multiproc_executor.MultiprocExecutor`); ``ValueError`` before any
+        starts when the model does not split that way."""
+        from pagedkv.distributed.shard import check_shardable
+        from pagedkv.engine.multiproc_executor import MultiprocExecutor
+
+        if not _is_int(tensor_parallel_size) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        check_shardable(self.model.config, tensor_parallel_size)
+        return MultiprocExecutor(self.model, tensor_parallel_size, self.device.type)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done when the engine is collected or the
+        process exits). Mirrors ``LLM.shutdown`` / ``EngineCore.shutdown``."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @staticmethod
     def _load(model: Any, dtype: torch.dtype | None, device: torch.device | None, tokenizer: Any):
         """The model (checked to be a supported architecture before any weight is loaded) and a tokenizer
