@@ -30,6 +30,7 @@ class CompletionDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
 
 
 @dataclass
@@ -105,4 +106,5 @@ class RequestState:
         self.sent = end
         if not delta_text and not token_ids and not self.finished:
             return None
-        return CompletionDelta(self.index, delta_text, list(token_ids), self.finish_reason, self.stop_reason)
+        return CompletionDelta(self.index, delta_text, list(token_ids), self.finish_reason, self.stop_reason,
+                               self.num_cached_tokens)
