@@ -317,8 +317,19 @@ def hash_request_tokens(
     return hashes
 
 
-def short_hash(block_hash: BlockHash) -> str:
-    """Six hex digits of a hash, for captions and pictures."""
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> Any:
+    """The prefix-cache key of a block of KV cache group ``group_id``: the hash itself for group 0 (so a
+    single-group model's keys are its block hashes, as lessons 2-7 show them), ``(hash, group_id)`` for the
+    others. vLLM 0.26 appends the group id to every hash (``make_block_hash_with_group_id`` in
+    ``vllm/v1/core/kv_cache_utils.py``); the lab leaves group 0's bare. Either way two groups' blocks of the
+    same prefix never collide."""
+    return block_hash if group_id == 0 else (block_hash, group_id)
+
+
+def short_hash(block_hash: Any) -> str:
+    """Six hex digits of a hash, for captions and pictures (``…/g1`` for a group-1 key)."""
+    if isinstance(block_hash, tuple):
+        return f"{short_hash(block_hash[0])}/g{block_hash[1]}"
     if isinstance(block_hash, bytes):
         return block_hash[:3].hex()
     return f"{block_hash & 0xFFFFFF:06x}"

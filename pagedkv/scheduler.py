@@ -34,6 +34,7 @@ from pagedkv.kv_cache_manager import KVCacheManager, cdiv
 from pagedkv.request import Request, RequestStatus, as_token_ids
 from pagedkv.request_queue import SchedulingPolicy, create_request_queue
 from pagedkv.sched_output import CachedRequestData, NewRequestData, ReqIdList, SchedulerOutput
+from pagedkv.single_type_kv_cache_manager import FullAttentionManager
 from pagedkv.trace import EventTrace
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -114,7 +115,19 @@ class Scheduler:
     hits counted (``allocate_slots(..., full_sequence_must_fit=True)``), not merely its first chunk: vLLM's
     reason is that it "prevents over-admission and KV cache thrashing with chunked prefill". ``False`` admits
     on the first chunk, as vLLM did before the gate.
+
+    Over KV cache groups (a manager built from a ``KVCacheConfig``, lesson 8): the same loop; each step's
+    output carries every request's table in every group (``SchedulerOutput.group_block_tables`` and
+    ``group_slot_mapping``; ``block_tables`` and ``slot_mapping`` hold group 0's, which for one group is
+    everything). A manager built without ``max_in_flight_tokens`` gets ``max_concurrent_batches ·
+    max_num_batched_tokens`` (vLLM's ``VllmConfig.max_in_flight_tokens``), the bound of its sliding-window
+    admission cap. Swap preemption needs one full-attention group; with any other config a swap falls back
+    to recompute (vLLM 0.26 only recomputes).
     """
+
+    #: Steps that may be in flight at once (vLLM's ``max_concurrent_batches``): 1 when every step's output
+    #: is consumed before the next is scheduled.
+    max_concurrent_batches = 1
 
     def __init__(
         self,
@@ -157,6 +170,8 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.cpu_block_pool = CPUBlockPool(num_cpu_blocks)
+        if kv_cache_manager.coordinator is not None and kv_cache_manager.max_in_flight_tokens is None:
+            kv_cache_manager.set_max_in_flight_tokens(self.max_concurrent_batches * max_num_batched_tokens)
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -219,7 +234,11 @@ class Scheduler:
     # Adding requests
     # ------------------------------------------------------------------------------------------------
     def max_blocks_needed(self, request: Request) -> int:
-        """Blocks the request would hold at its longest: ``ceil((len(prompt) + max_tokens) / block_size)``."""
+        """Blocks the request would hold at its longest: ``ceil((len(prompt) + max_tokens) / block_size)``;
+        over KV cache groups, the sum of each group's most (``KVCacheManager.max_num_blocks_for``: a
+        sliding-window group never holds more than its window's worth)."""
+        if self.kv_cache_manager.coordinator is not None:
+            return self.kv_cache_manager.max_num_blocks_for(request.num_prompt_tokens + request.max_tokens)
         return cdiv(request.num_prompt_tokens + request.max_tokens, self.block_size)
 
     def _check_can_ever_fit(self, request: Request) -> None:
@@ -325,7 +344,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            state.add(request, num_new, [b.block_id for b in new_blocks])
+            state.add(request, num_new, self._group0_ids(new_blocks))
             state.scheduled_running.append(request)
             copies = manager.get_pending_copies()
             if copies:
@@ -377,34 +396,50 @@ class Scheduler:
                 state.scheduled_new.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            state.add(request, num_new, manager.get_block_ids(rid))
+            state.add(request, num_new, self._table(rid))
             copies = manager.get_pending_copies()
             if copies:
                 state.copies[rid] = copies
             self._record(
                 "admit",
                 rid,
-                manager.get_block_ids(rid),
+                self._table(rid),
                 f"{rid} admitted: {num_computed} tokens cached, {num_new} scheduled",
                 num_computed_tokens=num_computed,
                 num_new_tokens=num_new,
                 resumed=request.num_preemptions > 0,
             )
 
+    def _table(self, rid: str) -> list[int]:
+        """Group 0's block ids of the request (its whole table when there is one group)."""
+        ids = self.kv_cache_manager.get_block_ids(rid)
+        return list(ids[0]) if isinstance(ids, tuple) else ids
+
+    @staticmethod
+    def _group0_ids(blocks: Any) -> list[int]:
+        groups = getattr(blocks, "blocks", None)
+        return [b.block_id for b in (groups[0] if groups is not None else blocks)]
+
     def _make_output(self, state: _StepState) -> SchedulerOutput:
         manager = self.kv_cache_manager
         order = list(state.num_scheduled_tokens)
         block_tables: dict[str, list[int]] = {}
         slot_mapping: dict[str, list[int]] = {}
+        group_block_tables: dict[str, tuple[list[int], ...]] = {}
+        group_slot_mapping: dict[str, tuple[list[int], ...]] = {}
         starts: dict[str, int] = {}
         partial: set[str] = set()
         for rid in order:
             req = self.requests[rid]
             n = state.num_scheduled_tokens[rid]
             start = req.num_computed_tokens
-            table = manager.get_block_ids(rid)
-            block_tables[rid] = table
-            slot_mapping[rid] = compute_slot_mapping(table, range(start, start + n), self.block_size)
+            tables = manager.get_blocks(rid).get_block_ids()
+            group_block_tables[rid] = tables
+            group_slot_mapping[rid] = tuple(
+                compute_slot_mapping(t, range(start, start + n), self.block_size) for t in tables
+            )
+            block_tables[rid] = tables[0]
+            slot_mapping[rid] = group_slot_mapping[rid][0]
             starts[rid] = start
             if start + n < req.num_tokens:
                 partial.add(rid)
@@ -424,6 +459,8 @@ class Scheduler:
             blocks_to_copy=copies,
             block_tables=block_tables,
             slot_mapping=slot_mapping,
+            group_block_tables=group_block_tables,
+            group_slot_mapping=group_slot_mapping,
             num_computed_tokens=starts,
             partial_prefill_req_ids=partial,
             scheduled_new_reqs=[
@@ -477,11 +514,15 @@ class Scheduler:
         blocks whose KV failed to load (``Scheduler._handle_invalid_blocks``)."""
         manager = self.kv_cache_manager
         rid = request.request_id
-        blocks = manager.req_to_blocks.get(rid)
-        if not blocks:
+        if rid not in manager.req_to_blocks:
             return
         first_unwritten = request.num_computed_tokens // self.block_size
-        unwritten = {b.block_id for b in blocks[first_unwritten:] if b.block_hash is not None}
+        unwritten = {
+            b.block_id
+            for blocks in manager.get_blocks(rid).blocks
+            for b in blocks[first_unwritten:]
+            if b.block_hash is not None and not b.is_null
+        }
         if unwritten:
             manager.evict_blocks(unwritten)
 
@@ -499,11 +540,15 @@ class Scheduler:
         """
         manager = self.kv_cache_manager
         rid = request.request_id
-        table = manager.get_block_ids(rid) if rid in manager.req_to_blocks else []
+        table = self._table(rid) if rid in manager.req_to_blocks else []
         num_blocks = cdiv(request.num_computed_tokens, self.block_size)
         mode = "recompute"
+        one_full_group = manager.coordinator is None or (
+            manager.num_kv_cache_groups == 1 and isinstance(manager.single_type_managers[0], FullAttentionManager)
+        )
         if (
             self.preemption_mode == "swap"
+            and one_full_group
             and state is not None  # a swap-out must travel in a step's output
             and 0 < num_blocks <= len(table)
             and num_blocks <= self.cpu_block_pool.get_num_free_blocks()
@@ -553,7 +598,7 @@ class Scheduler:
         release the CPU blocks (the runner copies them before anything can reuse them). Mirrors vLLM V0's
         ``Scheduler._swap_in``."""
         rid = request.request_id
-        table = self.kv_cache_manager.get_block_ids(rid)
+        table = self._table(rid)
         pairs = list(zip(cpu_blocks, table[: len(cpu_blocks)], strict=True))
         state.swap_in.extend(pairs)
         del self.swapped[rid]
@@ -664,7 +709,8 @@ class Scheduler:
             self.waiting.remove_requests([request])
         freed: list[int] = []
         if rid in self.kv_cache_manager.req_to_blocks:
-            freed = self.kv_cache_manager.get_block_ids(rid)
+            groups = self.kv_cache_manager.get_blocks(rid).blocks
+            freed = [b.block_id for blocks in groups for b in blocks if not b.is_null]
             self.kv_cache_manager.free(request)
         cpu = self.swapped.pop(rid, None)
         if cpu is not None:

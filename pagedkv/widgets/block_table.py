@@ -156,7 +156,7 @@ class BlockTableWidget(anywidget.AnyWidget):
                 f'<img src="{data_uri}" alt="block table, frame {k}: {caption}" style="max-width: 100%"/></div>'
             ),
             "image/svg+xml": svg,
-            "text/plain": f"[block table, frame {k} of {len(self.frames) - 1}: {self.views[k]['caption']}]",
+            "text/plain": f"[block table, frame {k} (of 0–{len(self.frames) - 1}): {self.views[k]['caption']}]",
         }
 
     def _filmstrip(self, max_frames: int | None) -> tuple[str, list[tuple[int, str]]]:

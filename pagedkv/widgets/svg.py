@@ -210,7 +210,7 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
     c.add(_t(x, y + 13, caption, 13, weight="bold"))
     y += 24
     st = view["stats"]
-    where = f"frame {view['index']}" + (f" of {total - 1}" if total else "")
+    where = f"frame {view['index']}" + (f" (of 0–{total - 1})" if total else "")  # numbered as frames[k]
     if view.get("step") is not None:
         where += f" · step {view['step']}"
     c.add(_t(pad, y + 11, f"{where} · free {st['free']}/{st['usable']} blocks · usage {st['usage']:.0%} · "

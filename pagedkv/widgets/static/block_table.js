@@ -423,14 +423,14 @@ function render({ model, el }) {
     badge.style.background = f.kind_colour;
     captionText.textContent = f.caption;
     const s = f.stats;
-    let where = `frame ${cur} of ${frames.length - 1}`;
+    let where = `frame ${cur} (of 0–${frames.length - 1})`;  // numbered from 0, as recorder.frames[k]
     if (f.step !== null && f.step !== undefined) where += ` · step ${f.step}`;
     stats.textContent =
       `${where} · free ${s.free}/${s.usable} blocks · usage ${Math.round(100 * s.usage)}% · ` +
       `cached ${s.cached} (${s.cached_free} evictable) · block_size ${f.block_size}`;
     scrubber.max = String(frames.length - 1);
     scrubber.value = String(cur);
-    frameLabel.textContent = `${cur} / ${frames.length - 1}`;
+    frameLabel.textContent = `${cur} of 0–${frames.length - 1}`;
     back.disabled = cur === 0;
     fwd.disabled = cur === frames.length - 1;
     drawPool(f, hl);
