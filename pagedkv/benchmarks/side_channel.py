@@ -60,7 +60,7 @@ def run_trials(base_url: str, trials: int = 20, prefix_len: int = 256, question_
                seed: int = 0, progress: bool = False) -> SideChannelResult:
     """``trials`` victim/attacker rounds against the server at ``base_url`` (see the module's docstring)."""
     import httpx
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     rng = random.Random(seed)
     rand = lambda n: [rng.randrange(1, vocab_size) for _ in range(n)]  # noqa: E731
