@@ -18,6 +18,7 @@ from pagedkv.kv_cache_utils import (
     short_hash,
     update_block_hashes,
 )
+from pagedkv.utils import check_int
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
@@ -35,8 +36,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}")
+        num_blocks = check_int(num_blocks, "num_blocks", 1, why="block 0 is the null block")
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -139,8 +139,7 @@ class BlockPool:
         the map): this is the only place eviction happens. Raises ``ValueError``, and changes nothing,
         when fewer blocks are free. Mirrors ``BlockPool.get_new_blocks``.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        num_blocks = check_int(num_blocks, "num_blocks", 0)
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(
                 f"Cannot get {num_blocks} free blocks from the pool: {self.get_num_free_blocks()} are free"
@@ -180,8 +179,7 @@ class BlockPool:
         ids = list(block_ids)
         n = self.num_gpu_blocks
         for block_id in ids:
-            if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 < block_id < n:
-                raise ValueError(f"cannot evict block {block_id!r}: not a usable block id of this pool (1..{n - 1})")
+            check_int(block_id, "a block id to evict", 1, n - 1, why="the usable blocks of this pool")
         for block_id in ids:
             self._maybe_evict_cached_block(self.blocks[block_id])
 

@@ -24,10 +24,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from pagedkv.block_pool import BlockPool
-from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_cache_utils import BlockHash, KVCacheBlock
 from pagedkv.request import Request
 from pagedkv.single_type_kv_cache_manager import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
+from pagedkv.utils import cdiv
 
 
 class KVCacheCoordinator:

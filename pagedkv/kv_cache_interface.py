@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pagedkv.utils import cdiv, check_int
+
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
     "float": 4,
@@ -34,11 +36,6 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division. Mirrors ``vllm.utils.math_utils.cdiv``."""
-    return -(-a // b)
-
-
 def get_dtype_size(dtype: Any) -> int:
     """Bytes per element of ``dtype`` (a torch dtype or one of ``DTYPE_BYTES``' names). Mirrors
     ``vllm.utils.torch_utils.get_dtype_size``."""
@@ -51,11 +48,6 @@ def get_dtype_size(dtype: Any) -> int:
     return DTYPE_BYTES[name]
 
 
-def _check_positive_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The KV cache format of one layer: ``block_size`` tokens per page. Mirrors ``KVCacheSpec``."""
@@ -63,7 +55,7 @@ class KVCacheSpec:
     block_size: int
 
     def __post_init__(self) -> None:
-        _check_positive_int(self.block_size, "block_size")
+        check_int(self.block_size, "block_size", 1)
 
     @property
     def page_size_bytes(self) -> int:
@@ -90,8 +82,8 @@ class AttentionSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive_int(self.num_kv_heads, "num_kv_heads")
-        _check_positive_int(self.head_size, "head_size")
+        check_int(self.num_kv_heads, "num_kv_heads", 1)
+        check_int(self.head_size, "head_size", 1)
         get_dtype_size(self.dtype)  # refuse an unknown dtype now
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
             raise ValueError(
@@ -129,7 +121,7 @@ class FullAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, max_model_len: int, max_in_flight_tokens: int | None = None) -> int:
         """The most one request can hold: ``cdiv(max_model_len, block_size)`` pages. Mirrors
         ``FullAttentionSpec.max_memory_usage_bytes``."""
-        _check_positive_int(max_model_len, "max_model_len")
+        check_int(max_model_len, "max_model_len", 1)
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
 
@@ -146,7 +138,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive_int(self.sliding_window, "sliding_window")
+        check_int(self.sliding_window, "sliding_window", 1)
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
         """The most blocks one request holds at once: the last ``sliding_window - 1`` computed tokens plus the
@@ -154,8 +146,8 @@ class SlidingWindowSpec(AttentionSpec):
         ``max_model_len``, in blocks, plus one because the window need not start at a block boundary (block
         size 4, 6-token window ``CDEF``: ``[xxCD][EF..]``). Used both to size the pool at start-up and as the
         admission gate's per-request cap. Mirrors ``SlidingWindowSpec.max_admission_blocks_per_request``."""
-        _check_positive_int(max_in_flight_tokens, "max_in_flight_tokens")
-        _check_positive_int(max_model_len, "max_model_len")
+        check_int(max_in_flight_tokens, "max_in_flight_tokens", 1)
+        check_int(max_model_len, "max_model_len", 1)
         num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size) + 1
 

@@ -39,6 +39,7 @@ from pagedkv.kv_cache_utils import (
 from pagedkv.request import Request
 from pagedkv.single_type_kv_cache_manager import FullAttentionManager, blocks_written
 from pagedkv.trace import EventTrace
+from pagedkv.utils import cdiv, check_int
 
 
 class UnknownRequestError(KeyError, ValueError):
@@ -46,10 +47,6 @@ class UnknownRequestError(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0]) if self.args else ""
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -132,8 +129,8 @@ class KVCacheManager:
         max_in_flight_tokens: int | None,
     ) -> None:
         for name, value in (("max_model_len", max_model_len), ("max_in_flight_tokens", max_in_flight_tokens)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+            if value is not None:
+                check_int(value, f"{name} (or None)", 1)
         limit = sys.maxsize if max_model_len is None else max_model_len
         self.kv_cache_config = config
         self.coordinator = get_kv_cache_coordinator(config, limit, max_in_flight_tokens or limit, enable_caching)
@@ -319,8 +316,7 @@ class KVCacheManager:
         at most ``max_admission_blocks_per_request`` blocks for such a group. ``new_computed_blocks`` is what
         ``get_computed_blocks`` returned; several groups get a ``KVCacheBlocks`` back.
         """
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        num_new_tokens = check_int(num_new_tokens, "num_new_tokens", 0)
         if not isinstance(full_sequence_must_fit, bool):
             raise ValueError(f"full_sequence_must_fit must be a bool, got {full_sequence_must_fit!r}")
         if self.coordinator is not None:
@@ -604,7 +600,13 @@ class KVCacheManager:
         # Out-of-window blocks go first (vLLM frees them even if this allocation then fails), on the
         # processed-token basis: tokens still in flight (async scheduling) may be read by a running step.
         in_flight = getattr(request, "num_in_flight_tokens", 0)
+        before = self._held_ids(rid) if self.trace is not None else set()
         coord.remove_skipped_blocks(rid, max(0, total_computed - in_flight))
+        if self.trace is not None:
+            dropped = sorted(before - self._held_ids(rid))
+            if dropped:
+                caption = f"{rid}: blocks {dropped} fell out of the window (freed, the null block in their place)"
+                self._record_groups("free", rid, caption)
         num_needed = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, num_local_computed)
         held = rid in self.req_to_blocks
         managers = coord.single_type_managers
@@ -630,6 +632,10 @@ class KVCacheManager:
             update_block_hashes(request, self.block_size, self.hash_fn)
             coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self._pack(tuple(c + f for c, f in zip(fresh_cow, fresh, strict=True)))
+
+    def _held_ids(self, rid: str) -> set[int]:
+        assert self.coordinator is not None
+        return {b.block_id for group in self.coordinator.get_blocks(rid) for b in group if not b.is_null}
 
     def _free_groups(self, request: Request) -> None:
         assert self.coordinator is not None

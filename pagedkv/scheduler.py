@@ -24,52 +24,21 @@ Mirrors ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``). Swapping follows vL
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.block_table import compute_slot_mapping
-from pagedkv.kv_cache_manager import KVCacheManager, cdiv
+from pagedkv.cpu_block_pool import CPUBlockPool
+from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus, as_token_ids
 from pagedkv.request_queue import SchedulingPolicy, create_request_queue
 from pagedkv.sched_output import CachedRequestData, NewRequestData, ReqIdList, SchedulerOutput
 from pagedkv.single_type_kv_cache_manager import FullAttentionManager
 from pagedkv.trace import EventTrace
+from pagedkv.utils import cdiv, check_int
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-class CPUBlockPool:
-    """The host-memory blocks that swapped-out KV waits in: ``num_blocks`` ids, all usable (no null block).
-
-    A plain free list: swapping copies whole blocks, so nothing here is shared or cached.
-    Mirrors the CPU side of vLLM V0's ``CpuGpuBlockAllocator`` (``vllm/core/block/cpu_gpu_block_allocator.py``).
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
-
-    def get_num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the head of the free list. ``ValueError`` (no change) when fewer are free."""
-        if n > len(self.free_blocks):
-            raise ValueError(f"cannot take {n} CPU blocks: {len(self.free_blocks)} are free")
-        return [self.free_blocks.popleft() for _ in range(n)]
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Return blocks to the tail of the free list."""
-        ids = list(block_ids)
-        free = set(self.free_blocks)
-        for b in ids:
-            if not 0 <= b < self.num_blocks or b in free:
-                raise ValueError(f"CPU block {b} is not an allocated block of this pool")
-        self.free_blocks.extend(ids)
 
 
 @dataclass
@@ -144,20 +113,14 @@ class Scheduler:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise ValueError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(value, name, 1)
         try:
             self.policy = SchedulingPolicy(policy)
         except ValueError:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}") from None
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        if (
-            isinstance(long_prefill_token_threshold, bool)
-            or not isinstance(long_prefill_token_threshold, int)
-            or long_prefill_token_threshold < 0
-        ):
-            raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {long_prefill_token_threshold!r}")
+        check_int(long_prefill_token_threshold, "long_prefill_token_threshold", 0)
         if not isinstance(scheduler_reserve_full_isl, bool):
             raise ValueError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
         self.kv_cache_manager = kv_cache_manager

@@ -25,9 +25,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from pagedkv.block_pool import BlockPool
-from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_cache_utils import BlockHash, KVCacheBlock
 from pagedkv.request import Request
+from pagedkv.utils import cdiv
 
 
 def blocks_written(

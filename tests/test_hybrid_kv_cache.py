@@ -419,3 +419,44 @@ def test_all_sliding_model_serves_requests_longer_than_the_pool():
     outs = run_scheduler(s, [Request("long", list(range(280)), max_tokens=20), Request("b", [1, 2, 3], max_tokens=5)])
     assert sum(o.num_scheduled_tokens.get("long", 0) for o in outs) >= 299
     assert m.get_num_free_blocks() == 11
+
+
+# --------------------------------------------------------------------------------------------------------
+# The block-table widget: one table per group, null blocks where the window has moved on
+# --------------------------------------------------------------------------------------------------------
+def test_widget_draws_one_table_per_group_with_null_entries():
+    from pagedkv.widgets import BlockTableWidget, TraceRecorder, frame_to_svg, view_frames
+    from pagedkv.widgets.frames import decode_views, encode_views
+
+    m = KVCacheManager(config(24, full(4), swa(4, 8)), max_model_len=256)
+    with TraceRecorder(m) as rec:
+        prefill_and_decode(m, Request("a", list(range(20)), max_tokens=20), 6)
+    views = view_frames(rec.frames)
+    last = views[-1]
+    assert [row[0] for row in last["tables"]] == ["a", "a"]
+    assert [row[3] for row in last["tables"]] == ["full", "window 8"]
+    full_row, window_row = last["tables"][0][1], last["tables"][1][1]
+    assert 0 not in full_row and window_row[:3] == [0, 0, 0]
+    # Every real block of either group is owned by "a"; the null block by nobody.
+    for bid in set(full_row) | set(window_row) - {0}:
+        assert last["owners"][bid] == ["a"]
+    assert last["owners"][0] == []
+    kinds = [f["event"]["kind"] for f in rec.frames if f["event"]]
+    assert "free" in kinds  # the window moving on is an event of its own
+    assert any("fell out of the window" in f["event"]["caption"] for f in rec.frames if f["event"])
+    assert decode_views(encode_views(views)) == views
+    svg = frame_to_svg(rec.frames[-1])
+    assert "window 8" in svg and "null" in svg
+    BlockTableWidget(rec, static=False)
+
+
+def test_widget_of_one_full_group_is_unchanged():
+    from pagedkv.widgets import TraceRecorder, view_frames
+
+    flat, grouped = KVCacheManager(16, 4), KVCacheManager(config(16, full(4)))
+    out = []
+    for m in (flat, grouped):
+        with TraceRecorder(m) as rec:
+            prefill_and_decode(m, Request("a", list(range(9)), max_tokens=4), 3)
+        out.append([v["tables"] for v in view_frames(rec.frames)])
+    assert out[0] == out[1] and all(len(row) == 3 for tables in out[0] for row in tables)
