@@ -36,7 +36,7 @@ WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 
 #: What vLLM 0.26's ``vllm.v1.core`` needs beyond the lab's own environment, found by importing
 #: ``vllm.v1.core.kv_cache_manager`` and ``vllm.v1.core.sched.scheduler`` until nothing was missing
-#: (``/work/shared/notes/vllm-core-on-cpu.md``). Installed without dependencies, each only if the lab's
+#: (``docs/vllm-core-on-cpu.md``). Installed without dependencies, each only if the lab's
 #: environment lacks it; the bounds are vLLM's own where it sets them.
 EXTRA_PACKAGES: list[tuple[str, str]] = [
     ("msgspec", "msgspec"),
