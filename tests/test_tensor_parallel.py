@@ -378,7 +378,7 @@ def test_a_worker_error_stops_every_worker():
         so = llm.scheduler.schedule()
         tokens = {"x": [1, 2, 3]}
         with pytest.raises(WorkerError, match="rank 1"):
-            llm.executor.collective_rpc("execute_model", per_rank_args=[(so, tokens), (so, {})])  # rank 1: KeyError
+            llm.executor.collective_rpc("execute_model", per_rank_args=[(so, tokens), (None, None)])  # rank 1 raises
         assert _wait_gone([p.pid for p in llm.executor.procs], timeout=15) == []
         with pytest.raises(WorkerError, match="create a new LLM"):
             llm.generate([[1, 2]], GREEDY, use_tqdm=False)
