@@ -1,7 +1,7 @@
 """KV cache groups on one pool (lesson 8): specs, the single-type managers, the coordinators, the manager and
 the scheduler over groups.
 
-Fixed cases reproduce what vLLM 0.26 itself does (``/work/shared/notes/vllm-core-on-cpu.md`` records a run of
+Fixed cases reproduce what vLLM 0.26 itself does (``docs/vllm-core-on-cpu.md`` records a run of
 its own manager with a full and a sliding-window group); the hypothesis machine checks the invariants on random
 admit, chunked prefill, decode, fork and free sequences over random configs: every block is free or held with
 ``ref_cnt`` equal to its number of holders across all groups; a held block belongs to one group; a
