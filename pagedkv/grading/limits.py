@@ -11,18 +11,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["DEFAULT_LIMITS", "Limits"]
+__all__ = ["DEFAULT_LIMITS", "WALL_FACTOR", "Limits"]
 
 GIB = 1 << 30
+#: Time limits on the learner's code count its CPU seconds; code that waits instead of computing (a sleep) is
+#: stopped after this many times the limit in wall-clock seconds.
+WALL_FACTOR = 5.0
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one notebook may use while it is graded."""
 
-    timeout: float = 300.0  # seconds per notebook: past it the notebook is stopped, every exercise failed
+    timeout: float = 600.0  # seconds per notebook: past it the notebook is stopped, every exercise failed (a
+    #                         backstop: the cell and case limits stop a hang long before)
     cell_timeout: float = 60.0  # seconds per notebook cell before the cell is interrupted and left out
-    case_timeout: float = 60.0  # seconds one test case may spend in the learner's code, all its calls together
+    case_timeout: float = 60.0  # CPU seconds one test case may spend in the learner's code, all its calls
+    #                             together (and 5 times that in wall-clock seconds, for code that sleeps)
     memory: int = 4 * GIB  # bytes of memory for a whole sandbox (every process in it together, where a cgroup
     #                        can be made; otherwise the address space of each process: see the grading README)
     processes: int = 256  # processes and threads in a sandbox

@@ -31,6 +31,7 @@ import time
 import weakref
 from typing import Any
 
+from pagedkv.grading.limits import WALL_FACTOR
 from pagedkv.grading.sandbox import Sandbox
 from pagedkv.grading.wire import Codec, ProtocolError, read_message, resolve_name, write_message
 
@@ -259,6 +260,7 @@ class Client:
         self.dead: str | None = None
         self.deadline: float | None = None  # the current test case's budget (None between cases)
         self.budget = 0.0
+        self._cpu_start = 0.0
         self.calls = 0
         self.call_seconds = 0.0
         self.slowest = 0.0
@@ -367,12 +369,22 @@ class Client:
 
     # ------------------------------------------------------------------ test cases
     def start_case(self, budget: float) -> None:
-        """A new test case: ``budget`` seconds of waiting for the learner's code, all its calls together (the
-        check's own work here does not count, so a busy machine slows both sides alike and the limit stays far
-        from a correct answer's time)."""
+        """A new test case: ``budget`` CPU seconds of the learner's process, all the case's calls together, or
+        :data:`WALL_FACTOR` times that in wall-clock seconds of waiting for it. CPU time is what the learner's
+        code costs whatever else the machine is doing, so a loaded machine does not turn a correct answer into a
+        "too slow" one; the wall-clock bound stops code that sleeps."""
         self.budget = budget
         self.deadline = budget
         self.calls, self.call_seconds, self.function_seconds, self.slowest = 0, 0.0, 0.0, 0.0
+        self._cpu_start = self.sandbox.cpu_seconds()
+
+    def cpu_spent(self) -> float:
+        """CPU seconds the learner's process has used since the test case began."""
+        return max(0.0, self.sandbox.cpu_seconds() - self._cpu_start)
+
+    def _over_budget(self) -> bool:
+        return self.deadline is not None and (self.cpu_spent() >= self.budget
+                                              or self.call_seconds >= WALL_FACTOR * self.budget)
 
     def end_case(self) -> None:
         self.deadline = None
@@ -389,8 +401,9 @@ class Client:
         def secs(x: float) -> str:
             return f"{x:.2f} s" if x >= 0.01 else f"{x * 1000:.2f} ms"
 
-        return (f"too slow: this test case waited {self.call_seconds:.1f} s for your code, past the limit of "
-                f"{self.budget:g} s for one test case ({self.calls} call{'s' if self.calls != 1 else ''} of your "
+        return (f"too slow: this test case's calls of your code used {self.cpu_spent():.1f} s of CPU time (and "
+                f"waited {self.call_seconds:.1f} s in all), past the limit of {self.budget:g} s of CPU time for one "
+                f"test case ({self.calls} call{'s' if self.calls != 1 else ''} of your "
                 f"functions, {secs(avg)} per call on average, the slowest {secs(self.slowest)}); a call is correct "
                 "only if it is also fast enough: look for repeated work (a loop over all blocks inside a loop, a "
                 "sleep)")
@@ -418,7 +431,7 @@ class Client:
     def request(self, op: str, **fields: Any) -> Any:
         if self.dead is not None:
             raise SandboxDied(self.dead)
-        if self.deadline is not None and self.call_seconds >= self.budget:
+        if self._over_budget():
             raise TooSlow(self.too_slow_message())
         codec = self.codec
         codec.begin()
@@ -442,10 +455,10 @@ class Client:
         msg["storages"] = codec.storages()
         if self._released:
             msg["release"], self._released = self._released, []
-        timeout = None if self.deadline is None else max(0.0, self.budget - self.call_seconds)
+        timeout = None if self.deadline is None else max(0.0, WALL_FACTOR * self.budget - self.call_seconds)
         start = time.monotonic()
         try:
-            reply = self._exchange(msg, timeout=timeout, interruptible=True)
+            reply = self._exchange(msg, timeout=timeout, interruptible=True, budgeted=self.deadline is not None)
         except TimeoutError:
             self._count(start, op)
             raise TooSlow(self.too_slow_message()) from None
@@ -470,7 +483,8 @@ class Client:
             self.function_seconds += spent
             self.slowest = max(self.slowest, spent)
 
-    def _exchange(self, msg: dict, *, timeout: float | None, interruptible: bool = False) -> dict:
+    def _exchange(self, msg: dict, *, timeout: float | None, interruptible: bool = False,
+                  budgeted: bool = False) -> dict:
         """Send ``msg`` and wait for the answer; on a timeout (or an exception raised here while waiting, such
         as the checks' SIGALRM), interrupt the learner's code and wait for its answer so the conversation stays
         in step; if none comes within the grace period, the sandbox is dead."""
@@ -479,7 +493,7 @@ class Client:
         except OSError as exc:
             self._die(f"the learner's process {self.sandbox.exit_description()} ({exc.strerror})")
         try:
-            if not self._wait(timeout):
+            if not self._wait(timeout, budgeted):
                 self._interrupt_and_drain()
                 raise TimeoutError
             return self._read()
@@ -494,14 +508,20 @@ class Client:
                              "killed")
             raise
 
-    def _wait(self, timeout: float | None) -> bool:
+    def _wait(self, timeout: float | None, budgeted: bool = False) -> bool:
+        """Wait for the sandbox's answer: False after ``timeout`` wall-clock seconds, or (``budgeted``: a test
+        case's call) once the case has used its CPU budget, looked at every 0.2 s."""
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if end is None else max(0.0, end - time.monotonic())
+            if budgeted:
+                left = 0.2 if left is None else min(left, 0.2)
             ready, _, _ = select.select([self.sandbox.fd_from], [], [], left)
             if ready:
                 return True
             if end is not None and time.monotonic() >= end:
+                return False
+            if budgeted and self.cpu_spent() >= self.budget:
                 return False
 
     def _read(self) -> dict:

@@ -429,6 +429,7 @@ def _preexec(limits: Limits, cgroup: Cgroup | None) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _LIVE: list[Sandbox] = []  # started and not yet closed (the worker closes them all when it is stopped)
 _FALLBACK_SAID: list[bool] = []
 
@@ -522,6 +523,16 @@ class Sandbox:
         with contextlib.suppress(ValueError, TypeError):
             return int(json.loads(data.decode())["child-pid"])
         return None
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the learner's Python has used (user + system, its threads and the children it waited
+        for), read from ``/proc``; 0 once it has ended."""
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return sum(int(x) for x in fields[11:15]) / _CLOCK_TICKS
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     @property
     def pid(self) -> int:
