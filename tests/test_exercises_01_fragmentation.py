@@ -84,7 +84,8 @@ def test_a_rounding_mistake_in_exercise_1_costs_points_in_exercise_1_only() -> N
     assert passed == 0 and "rounded down" in first
 
 
-def test_a_later_exercise_that_keeps_its_own_copy_of_exercise_1_is_told_to_fix_exercise_1_first() -> None:
+def test_a_later_exercise_that_keeps_its_own_copy_of_exercise_1_gets_its_own_hint() -> None:
+    """issue 19: exercise 2's message is its own (with its hint), and notes that exercise 1 fails too."""
     floor = NB.solutions["blocks_needed"].replace("return (num_tokens + block_size - 1) // block_size",
                                                   "return num_tokens // block_size")
     captured = NB.solutions["contiguous_capacity"].replace(
@@ -95,7 +96,9 @@ def test_a_later_exercise_that_keeps_its_own_copy_of_exercise_1_is_told_to_fix_e
     results = NB.grade({"blocks_needed": floor, "contiguous_capacity": captured}, only={"contiguous_capacity"})
     passed, total, first = _points(results, "contiguous_capacity")
     assert passed < total
-    assert first.startswith("exercise 1 (`blocks_needed`) is failing; fix it first.") and "Hint" not in first
+    assert first.startswith("contiguous_capacity(") and "Hint: each sequence reserves" in first, first
+    assert "fix it first" not in first and "own copy" not in first
+    assert first.endswith("and exercise 1 (`blocks_needed`) fails its own check too.)"), first
 
 
 def test_the_learners_blocks_needed_is_put_back_after_each_check() -> None:

@@ -25,7 +25,7 @@ def test_a_page_without_the_factor_2_costs_points_in_exercise_1_only() -> None:
     assert all(ok for ok, _ in _cases(results, "predict_num_gpu_blocks")), _cases(results, "predict_num_gpu_blocks")
 
 
-def test_a_prediction_that_keeps_its_own_page_size_is_told_to_fix_exercise_1_first() -> None:
+def test_a_prediction_that_keeps_its_own_page_size_gets_its_own_message() -> None:
     half = NB.solutions["kv_page_bytes"].replace("return 2 * block_size *", "return block_size *")
     own = NB.solutions["predict_num_gpu_blocks"].replace(
         "kv_cache_dtype=\"auto\") -> int:", "kv_cache_dtype=\"auto\", _page=kv_page_bytes) -> int:"
@@ -34,8 +34,8 @@ def test_a_prediction_that_keeps_its_own_page_size_is_told_to_fix_exercise_1_fir
     assert "_page(config" in own and "_page=kv_page_bytes" in own
     results = NB.grade({"kv_page_bytes": half, "predict_num_gpu_blocks": own}, only={"predict_num_gpu_blocks"})
     (ok, first), *_ = _cases(results, "predict_num_gpu_blocks")
-    assert not ok and first.startswith("exercise 1 (`kv_page_bytes`) is failing; fix it first.")
-    assert "Hint" not in first
+    assert not ok and first.startswith("predict_num_gpu_blocks(") and "fix it first" not in first, first
+    assert first.endswith("and exercise 1 (`kv_page_bytes`) fails its own check too.)"), first
 
 
 def _first_public_failure(question: str, answer: str) -> str:

@@ -10,9 +10,9 @@ its ``__globals__`` a handle to the sandbox's namespace; the reference, a functi
 ``pagedkv.grading.lessons`` module, crosses by name). The learner's names are put back afterwards, whatever
 happens.
 
-Where the later function still fails (it captured the earlier one in a default argument, or shares a helper with
-it), and the learner's earlier function fails its own check, the message says "exercise N (`name`) is failing;
-fix it first" instead of the later exercise's hint, which would mislead. Set 06 does the same for
+Where the later function still fails, the message is the later exercise's own, hint included (its mistake is
+judged as if the earlier answer were right); when the learner's earlier function fails its own check too, a
+note says so and that the check used a correct one. Set 06 does the same for
 ``kv_block_offsets`` with a re-jitted kernel in the notebook (:func:`pagedkv.grading.lessons.
 l06_paged_attention_kernel.with_reference_offsets`) and the same namespace swap under ``pagedkv grade``
 (:func:`pagedkv.grading.lessons.l06_paged_attention_kernel.reference_offsets_in`).
@@ -20,7 +20,6 @@ l06_paged_attention_kernel.with_reference_offsets`) and the same namespace swap 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 __all__ = ["Earlier", "with_earlier_answers"]
 
 _MISSING = object()
-_HINT = re.compile(r"\.?\s*Hint: .*\Z", re.S)
 
 
 @dataclass(frozen=True)
@@ -109,11 +107,10 @@ def with_earlier_answers(fn: Any, earlier: Sequence[Earlier], body: Callable[[],
     if not failing or "still the stub" in str(failure):  # an untouched later exercise: say that, nothing else
         raise failure
     which = " and ".join(f"exercise {e.number} (`{e.name}`)" for e in failing)
-    names = " and ".join(e.name for e in failing)
-    message = _HINT.sub("", str(failure)).rstrip(".")
-    end = "" if message.endswith(("?", "!")) else "."
+    message = str(failure).rstrip()
+    end = "" if message.endswith((".", "?", "!")) else "."
     raise AssertionError(
-        f"{which} {'is' if len(failing) == 1 else 'are'} failing; fix {'it' if len(failing) == 1 else 'them'} "
-        f"first. {what} is checked with a correct {names} in place of yours, and it still fails (does it keep "
-        f"its own copy of your {names}?): {message}{end}"
+        f"{message}{end} (This check ran with a correct {' and '.join(e.name for e in failing)} in place of yours, "
+        f"and {which} {'fails' if len(failing) == 1 else 'fail'} {'its' if len(failing) == 1 else 'their'} own "
+        "check too.)"
     ) from None
