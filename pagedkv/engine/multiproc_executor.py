@@ -41,6 +41,7 @@ import traceback
 import types
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -198,6 +199,22 @@ def _stop_workers(procs: list, conns: list, death_writers: list, store_box: list
     store_box.clear()
 
 
+class _StepFuture(Future):
+    """A step sent to every rank; ``result()`` gathers the replies (rank 0's output), once."""
+
+    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
+        super().__init__()
+        self._executor, self._seq = executor, seq
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:
+                self.set_result(self._executor._gather(self._seq)[0])
+            except BaseException as exc:
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
 class MultiprocExecutor:
     """``tensor_parallel_size`` worker processes, one per rank, driven by the engine.
 
@@ -223,6 +240,8 @@ class MultiprocExecutor:
                                            timeout=_timedelta(60))
         self._store_box = [store]
         self._seq = 0
+        self._awaited: set[int] = set()  # requests sent whose replies are still wanted
+        self._stash: dict[int, dict[int, Any]] = {}  # replies that arrived while another request was gathered
         self.dead: str | None = None
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._death_writers,
                                            self._store_box)
@@ -241,6 +260,7 @@ class MultiprocExecutor:
                     self.procs.append(proc)
                     self.conns.append(parent_conn)
                     self._death_writers.append(death_writer)
+            self._awaited.add(0)
             self.pids = self._gather(0)
             self.shard_info = self.collective_rpc("load_model", (serialize_model(model),))
         except BaseException:
@@ -249,40 +269,40 @@ class MultiprocExecutor:
 
     # ----------------------------------------------------------------------------------------------------------
     def _gather(self, seq: int) -> list[Any]:
-        """Every rank's reply to request ``seq``, in rank order. Stale replies (of an interrupted request) are
-        dropped; an error reply or a dead worker stops all workers and raises :class:`WorkerError`."""
-        results: list[Any] = [None] * self.world_size
-        pending = set(range(self.world_size))
-        while pending:
-            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
-            for obj in mpc.wait(waitables):
-                rank = next((r for r in pending if obj is self.conns[r]), None)
-                if rank is None:  # a sentinel: that process has ended
-                    rank = next(r for r in pending if obj == self.procs[r].sentinel)
-                    if self.conns[rank].poll():
-                        continue  # read its last reply first
-                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died "
-                               f"(exit code {self.procs[rank].exitcode})")
-                try:
-                    got_seq, status, payload = self.conns[rank].recv()
-                except (EOFError, OSError):
-                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) closed its pipe")
-                if status != "ok":
-                    self._fail(f"worker rank {rank} raised:\n{payload}")
-                if got_seq == seq:
-                    results[rank] = payload
-                    pending.discard(rank)
-        return results
+        """Every rank's reply to request ``seq``, in rank order. A reply to another request still awaited (a step
+        in flight) is kept for it; one to an abandoned request (interrupted by Ctrl-C) is dropped. An error reply
+        or a dead worker stops all workers and raises :class:`WorkerError`."""
+        results: dict[int, Any] = self._stash.pop(seq, {})
+        pending = set(range(self.world_size)) - set(results)
+        try:
+            while pending:
+                waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+                for obj in mpc.wait(waitables):
+                    rank = next((r for r in pending if obj is self.conns[r]), None)
+                    if rank is None:  # a sentinel: that process has ended
+                        rank = next(r for r in pending if obj == self.procs[r].sentinel)
+                        if self.conns[rank].poll():
+                            continue  # read its last reply first
+                        self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died "
+                                   f"(exit code {self.procs[rank].exitcode})")
+                    try:
+                        got_seq, status, payload = self.conns[rank].recv()
+                    except (EOFError, OSError):
+                        self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) closed its pipe")
+                    if status != "ok":
+                        self._fail(f"worker rank {rank} raised:\n{payload}")
+                    if got_seq == seq:
+                        results[rank] = payload
+                        pending.discard(rank)
+                    elif got_seq in self._awaited:
+                        self._stash.setdefault(got_seq, {})[rank] = payload
+        finally:
+            self._awaited.discard(seq)
+        return [results[r] for r in range(self.world_size)]
 
-    def _fail(self, why: str) -> None:
-        self.dead = why
-        self.shutdown()
-        raise WorkerError(f"{why}\nEvery tensor-parallel worker has been stopped; create a new LLM.")
-
-    def collective_rpc(self, method: str, args: tuple = (), per_rank_args: Sequence[tuple] | None = None) -> list:
-        """Call ``Worker.<method>(*args)`` on every rank (or ``per_rank_args[rank]`` on each) and return the
-        results in rank order. The request is pickled once and written to every rank's pipe with ``SIGINT``
-        deferred until all have it. Mirrors ``MultiprocExecutor.collective_rpc``."""
+    def _broadcast(self, method: str, args: tuple = (), per_rank_args: Sequence[tuple] | None = None) -> int:
+        """Send ``Worker.<method>`` to every rank (``per_rank_args[rank]`` to each, when given); returns the
+        request's sequence number. Pickled once; ``SIGINT`` deferred until every rank has it."""
         if self.dead is not None:
             raise WorkerError(f"the tensor-parallel workers are stopped ({self.dead}); create a new LLM")
         self._seq += 1
@@ -293,19 +313,36 @@ class MultiprocExecutor:
             if len(per_rank_args) != self.world_size:
                 raise ValueError(f"per_rank_args needs {self.world_size} tuples, got {len(per_rank_args)}")
             payloads = [pickle.dumps((seq, method, a), protocol=pickle.HIGHEST_PROTOCOL) for a in per_rank_args]
+        self._awaited.add(seq)
         try:
             with _sigint_deferred():
                 for conn, payload in zip(self.conns, payloads, strict=True):
                     conn.send_bytes(payload)
         except (OSError, ValueError) as exc:
             self._fail(f"could not send {method!r} to the workers ({exc})")
-        return self._gather(seq)
+        return seq
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      token_ids: Mapping[str, Sequence[int]]) -> tuple[list[str], torch.Tensor]:
-        """One step on every rank; rank 0's ``(sample_req_ids, logits [S, V])``. The model runner's interface."""
-        token_ids = {rid: list(token_ids[rid]) for rid in scheduler_output.num_scheduled_tokens}
-        return self.collective_rpc("execute_model", (scheduler_output, token_ids))[0]
+    def _fail(self, why: str) -> None:
+        self.dead = why
+        self.shutdown()
+        raise WorkerError(f"{why}\nEvery tensor-parallel worker has been stopped; create a new LLM.")
+
+    def collective_rpc(self, method: str, args: tuple = (), per_rank_args: Sequence[tuple] | None = None) -> list:
+        """Call ``Worker.<method>(*args)`` on every rank (or ``per_rank_args[rank]`` on each) and return the
+        results in rank order. Mirrors ``MultiprocExecutor.collective_rpc``."""
+        return self._gather(self._broadcast(method, args, per_rank_args))
+
+    def execute_model(self, scheduler_output: SchedulerOutput, token_ids: Mapping[str, Sequence[int]] | None = None,
+                      non_block: bool = False) -> Any:
+        """One step on every rank; rank 0's output (every rank computed the same one). ``non_block``: return at
+        once a future whose ``result()`` waits for the ranks' replies (two steps may be in flight). Mirrors
+        ``MultiprocExecutor.execute_model``."""
+        if token_ids is not None:
+            token_ids = {rid: list(token_ids[rid]) for rid in scheduler_output.num_scheduled_tokens}
+        seq = self._broadcast("execute_model", (scheduler_output, token_ids))
+        if non_block:
+            return _StepFuture(self, seq)
+        return self._gather(seq)[0]
 
     def determine_num_blocks(self, block_size: int, kv_cache_memory_bytes: int | Sequence[int] | None = None,
                              gpu_memory_utilization: float = 0.92) -> int:

@@ -108,11 +108,19 @@ class Worker:
         return tuple(self.runner.kv_caches[0][0].shape)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      token_ids: Mapping[str, Sequence[int]]) -> tuple[list[str], torch.Tensor] | None:
-        """Run the step on this rank's shard. Rank 0 returns ``(sample_req_ids, logits [S, V])`` on the CPU (the
-        executor's output rank, ``MultiprocExecutor._get_output_rank``); the others return None."""
-        req_ids, logits = self.runner.execute_model(scheduler_output, token_ids)
-        return (req_ids, logits.detach().to("cpu", copy=True)) if self.rank == 0 else None
+                      token_ids: Mapping[str, Sequence[int]] | None = None) -> Any:
+        """Run the step on this rank's shard. Rank 0 returns the runner's output (the executor's output rank,
+        ``MultiprocExecutor._get_output_rank``; every rank computed the same); the others return None."""
+        out = self.runner.execute_model(scheduler_output) if token_ids is None else \
+            self.runner.execute_model(scheduler_output, token_ids)
+        if hasattr(out, "get_output"):  # the samples of an asynchronous step: wait for them
+            out = out.get_output()
+        if self.rank != 0:
+            return None
+        if isinstance(out, tuple):  # (sample_req_ids, logits [S, V]): the logits to the CPU
+            req_ids, logits = out
+            return req_ids, logits.detach().to("cpu", copy=True)
+        return out
 
     def check_replicated(self, name: str) -> float:
         """A replicated parameter's (e.g. a norm's) sum, to check every rank holds the same copy."""

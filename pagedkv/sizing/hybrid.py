@@ -61,6 +61,8 @@ __all__ = [
     "get_kv_cache_spec",
     "get_max_concurrency_for_kv_cache_config",
     "hybrid_sizing",
+    "layer_to_group",
+    "make_kv_cache_config",
     "max_memory_usage_bytes_from_groups",
     "unify_kv_cache_spec_page_size",
 ]
@@ -355,6 +357,37 @@ def hybrid_sizing(
         num_tokens=num_tokens,
         log_lines=lines,
     )
+
+
+def make_kv_cache_config(
+    config: Any,
+    num_blocks: int,
+    *,
+    block_size: int = 16,
+    kv_cache_dtype: str | torch.dtype = "auto",
+    disable_hybrid_kv_cache_manager: bool = False,
+) -> KVCacheConfig:
+    """A ``KVCacheConfig`` of ``num_blocks`` blocks for a transformers ``config``, grouped as vLLM 0.26 groups
+    it (``get_kv_cache_spec`` then ``get_kv_cache_groups``): what an engine gives ``KVCacheManager(kv_cache_config,
+    max_model_len=...)`` when it chose ``num_blocks`` itself (vLLM's ``num_gpu_blocks_override``). Layer ``i``
+    is named ``model.layers.{i}.self_attn.attn``; :func:`layer_to_group` says which group holds it. One group
+    for a model of one attention type. Different page sizes are unified by scaling block sizes, which the
+    lab's manager refuses (``ValueError``): give such a model one head size, or
+    ``disable_hybrid_kv_cache_manager``."""
+    groups = get_kv_cache_groups(get_kv_cache_spec(config, block_size, kv_cache_dtype), disable_hybrid_kv_cache_manager)
+    num_blocks = check_int(num_blocks, "num_blocks", 1)
+    page = _uniform_page_size(groups.groups)
+    group_size = max(len(g.layer_names) for g in groups.groups)
+    tensors = [
+        KVCacheTensor(page * num_blocks, [g.layer_names[i] for g in groups.groups if i < len(g.layer_names)])
+        for i in range(group_size)
+    ]
+    return KVCacheConfig(num_blocks, tensors, groups.groups)
+
+
+def layer_to_group(kv_cache_config: KVCacheConfig) -> dict[str, int]:
+    """Layer name → the index of its KV cache group (the block table its attention reads)."""
+    return {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
 
 
 def describe_groups(groups: list[KVCacheGroupSpec]) -> list[str]:
