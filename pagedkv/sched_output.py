@@ -82,8 +82,9 @@ class SchedulerOutput:
     ``g`` (block 0, the null block, where a sliding-window group has released a block) and
     ``group_slot_mapping[r][g]`` where each scheduled token's K/V goes in group ``g``'s layers;
     ``block_tables`` and ``slot_mapping`` hold group 0's. Both are lab extensions, as ``block_tables`` is
-    (vLLM 0.26's worker keeps the tables; its ``NewRequestData.block_ids`` is a tuple with one list per group). A hand-built output may leave the group fields empty: read them through
-    ``tables_per_group``/``slots_per_group``.
+    (vLLM 0.26's worker keeps the tables; its ``NewRequestData.block_ids`` is a tuple with one list per
+    group). A hand-built output may leave the group fields empty: read them through ``tables_per_group`` and
+    ``slots_per_group``.
     """
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
