@@ -144,3 +144,16 @@ def test_make_kv_cache_config_feeds_the_manager():
     assert m.allocate_slots(r, 120) is not None and m.get_num_free_blocks() == 3
     one = make_kv_cache_config(HYBRID_SHAPES["Mistral 7B v0.1"], 16)
     assert len(one.kv_cache_groups) == 1
+
+
+def test_capacity_table_rows():
+    from pagedkv.sizing.hybrid import capacity_table
+
+    rows = capacity_table(70 * GiB)
+    by = {(r["model"], r["max_model_len"]): r for r in rows}
+    assert set(HYBRID_SHAPES) == {r["model"] for r in rows}
+    assert ("Mistral 7B v0.1", 131072) not in by  # past its 32,768-token context
+    r = by[("gpt-oss-20b", 131072)]
+    assert (r["groups"], r["group_size"]) == (2, 12)
+    assert r["gain"] == pytest.approx(r["concurrency"] / r["concurrency_all_full"]) == pytest.approx(1.78, abs=0.01)
+    assert by[("Gemma 3 27B", 131072)]["gain"] > 3

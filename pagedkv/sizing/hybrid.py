@@ -55,6 +55,7 @@ from pagedkv.utils import check_int
 
 __all__ = [
     "HYBRID_SHAPES",
+    "capacity_table",
     "HybridSizing",
     "get_kv_cache_config_from_groups",
     "get_kv_cache_groups",
@@ -357,6 +358,40 @@ def hybrid_sizing(
         num_tokens=num_tokens,
         log_lines=lines,
     )
+
+
+def capacity_table(
+    available_memory: int,
+    max_model_lens: tuple[int, ...] = (4096, 32768, 131072),
+    shapes: dict[str, dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """For each model of ``shapes`` (default :data:`HYBRID_SHAPES`) and each context length it supports: the
+    KV cache groups, the blocks, the concurrency vLLM 0.26 logs, the same with every layer full attention, and
+    the gain (how many times more sequences fit). ``kwargs`` go to :func:`hybrid_sizing` (block size,
+    batching). A length whose single request does not fit is left out."""
+    rows = []
+    for name, cfg in (HYBRID_SHAPES if shapes is None else shapes).items():
+        for m in max_model_lens:
+            if m > cfg.get("max_position_embeddings", m):
+                continue
+            try:
+                h = hybrid_sizing(cfg, available_memory, max_model_len=m, **kwargs)
+                f = hybrid_sizing(cfg, available_memory, max_model_len=m, every_layer_full=True, **kwargs)
+            except ValueError:
+                continue
+            rows.append({
+                "model": name,
+                "max_model_len": m,
+                "groups": len(h.kv_cache_config.kv_cache_groups),
+                "group_size": h.group_size,
+                "num_blocks": h.num_blocks,
+                "concurrency": h.max_concurrency,
+                "concurrency_all_full": f.max_concurrency,
+                "gain": h.max_concurrency / f.max_concurrency,
+                "log_lines": h.log_lines,
+            })  # fmt: skip
+    return rows
 
 
 def make_kv_cache_config(
