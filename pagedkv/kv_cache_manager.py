@@ -143,13 +143,21 @@ class KVCacheManager:
         self.num_gpu_blocks = config.num_blocks
         self.num_kv_cache_groups = len(config.kv_cache_groups)
         self.max_in_flight_tokens = max_in_flight_tokens
-        # Group 0's tables: for one group, the same dicts as the flat manager's (the lessons read them).
-        self.req_to_blocks = self.coordinator.single_type_managers[0].req_to_blocks
-        self.num_cached_block = self.coordinator.single_type_managers[0].num_cached_block
+        # req_to_blocks and num_cached_block are group 0's (see __getattr__), not copies kept here.
         self.req_num_tokens = {}
         self.pending_copies = []
         self.prefix_cache_stats = PrefixCacheStats()
         self.trace = None
+
+    def __getattr__(self, name: str) -> Any:
+        """Built from a ``KVCacheConfig``, ``req_to_blocks`` and ``num_cached_block`` are group 0's
+        (``single_type_managers[0]``'s): for one group the tables the lessons read, for several group 0's
+        (``get_blocks`` gives every group's). Looked up each time, never stored, so there is one copy."""
+        if name in ("req_to_blocks", "num_cached_block"):
+            coordinator = self.__dict__.get("coordinator")
+            if coordinator is not None:
+                return getattr(coordinator.single_type_managers[0], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def block_pool(self) -> BlockPool:

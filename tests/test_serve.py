@@ -166,6 +166,7 @@ BAD = [
     (b'{"prompt": "hi", "logprobs": 2}', 400, "logprobs"),
     (b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
     (b'[1, 2]', 400, None),
+    (b'{"prompt": "hi", "cache_salt": ""}', 400, "cache_salt"),
 ]
 
 

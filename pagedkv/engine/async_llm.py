@@ -381,6 +381,3 @@ class AsyncLLM:
         stats = sched.kv_cache_manager.make_prefix_cache_stats()
         self.stat_logger.record_scheduler(running, waiting, sched.kv_cache_manager.usage, new_preemptions,
                                           stats.queries, stats.hits)
-
-    def request_state(self, request_id: str) -> RequestState | None:
-        return self._states.get(request_id)

@@ -31,6 +31,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="lab extension: 'contiguous' reserves max_model_len tokens per request up front "
                    "(lesson 1's policy, before paging); 'paged' allocates blocks as tokens arrive")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="config fields to change, as JSON (only with MODEL 'tiny' here): e.g. "
+                   "'{\"hidden_size\": 256, \"num_hidden_layers\": 4}'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
