@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -393,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="save the curves here (PNG)")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine')")
     p.add_argument("--server-args", default="", help="with --launch: more `pagedkv serve` flags, one string "
-                   "(e.g. '--num-gpu-blocks 48 --max-model-len 512')")
+                   "split as a shell would (e.g. '--num-gpu-blocks 48 --max-model-len 512')")
     return p
 
 
@@ -425,7 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(format_table([summary]).splitlines()[-1], flush=True)
 
     if args.launch:
-        extra = args.server_args.split()
+        extra = shlex.split(args.server_args)
         for mode in args.modes:
             with launched_server(args.launch, [*extra, "--kv-reservation", mode]) as base:
                 sweep(base, mode)

@@ -508,6 +508,7 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
         model, tokenizer = args.model, None
     llm = LLM(model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
               preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
