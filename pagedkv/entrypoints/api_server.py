@@ -532,7 +532,7 @@ def reserve_contiguous(llm: Any) -> None:
         raise ValueError("switch to contiguous reservation before any request is added")
     manager = ContiguousKVCacheManager(llm.num_gpu_blocks, llm.block_size, llm.max_model_len)
     llm.kv_cache_manager = manager
-    llm.scheduler = Scheduler(manager, old.max_num_seqs, old.max_num_batched_tokens,
+    llm.scheduler = Scheduler(manager, old.max_num_running_reqs, old.max_num_batched_tokens,
                               preemption_mode=old.preemption_mode, num_cpu_blocks=old.cpu_block_pool.num_blocks)
 
 
