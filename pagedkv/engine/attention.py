@@ -71,10 +71,21 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [Bg·W] int64: each request's first W block ids, flattened (null-padded)
     width: int  # W: blocks gathered per request (enough for the group's longest)
     visible: torch.Tensor  # [Bg, 1, 1, W·bs] bool: key slot j < the request's seq_len
+    seq_lens: torch.Tensor | None = None  # [Bg] int64: each request's seq_len (for a sliding window's mask)
 
     def to(self, device: torch.device | str) -> DecodeGroup:
         """The same group with its tensors on ``device``."""
-        return DecodeGroup(self.tokens.to(device), self.block_ids.to(device), self.width, self.visible.to(device))
+        return DecodeGroup(self.tokens.to(device), self.block_ids.to(device), self.width, self.visible.to(device),
+                           None if self.seq_lens is None else self.seq_lens.to(device))
+
+    def visible_in_window(self, sliding_window: int | None) -> torch.Tensor:
+        """``visible``, and under a sliding window of ``W`` only the last ``W`` slots of each request
+        (``j >= seq_len - W``): ``[Bg, 1, 1, W·bs]`` bool."""
+        if sliding_window is None:
+            return self.visible
+        assert self.seq_lens is not None, "a decode group built without seq_lens cannot apply a window"
+        j = torch.arange(self.visible.shape[-1], device=self.visible.device)
+        return self.visible & (j >= (self.seq_lens - sliding_window)[:, None])[:, None, None, :]
 
 
 def make_decode_groups(
@@ -101,7 +112,7 @@ def make_decode_groups(
         block_ids = block_tables[torch.tensor(members), :width].long().reshape(-1)  # [Bg·W]
         visible = torch.arange(width * block_size)[None, :] < lens[:, None]  # [Bg, W·bs]
         tokens = torch.tensor([query_start_loc[b] for b in members])  # [Bg]
-        groups.append(DecodeGroup(tokens, block_ids, width, visible[:, None, None, :]))
+        groups.append(DecodeGroup(tokens, block_ids, width, visible[:, None, None, :], lens))
     return groups
 
 
@@ -159,13 +170,16 @@ def torch_paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
 
     Decode requests (one new token) are done in a few groups of similar length: a group's blocks are gathered
     through the block table into a padded ``[Bg, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``.
     Each prefill chunk is done alone, its keys gathered the same way, with a causal mask offset by its cached
-    prefix. The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
+    prefix. Under a ``sliding_window`` of ``W`` a query at position ``p`` sees keys ``p - W + 1 .. p`` only, and
+    a prefill chunk gathers no block wholly behind its first query's window (such blocks may be the null block).
+    The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
     """
     out = torch.empty_like(query)
     bs = key_cache.shape[1]
@@ -182,15 +196,23 @@ def torch_paged_attention(
         # query head h·G + i reads KV head h (transformers' repeat_kv order): a view, no copy of K or V
         q = query.index_select(0, grp.tokens).view(n, hkv, hq // hkv, d)  # [Bg, Hkv, G, D]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=grp.visible, scale=scale)  # [Bg, Hkv, G, D]
+            q.float(), k.float(), v.float(), attn_mask=grp.visible_in_window(sliding_window),
+            scale=scale)  # [Bg, Hkv, G, D]
         out.index_copy_(0, grp.tokens, o.reshape(n, hq, d).to(out.dtype))
     for b, lo, hi, seq_len in meta.prefill_reqs:
         nblk = -(-seq_len // bs)
-        table = meta.block_tables[b, :nblk].long()
-        k = _gather_blocks(key_cache, table).reshape(1, nblk * bs, hkv, d)[:, :seq_len]  # [1, L, Hkv, D]
-        v = _gather_blocks(value_cache, table).reshape(1, nblk * bs, hkv, d)[:, :seq_len]
-        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
-        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [Lq, L] causal
+        first_q = seq_len - (hi - lo)
+        # under a window, the blocks wholly behind the first query's window are not gathered
+        first_blk = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // bs
+        start = first_blk * bs  # the position of the first gathered key
+        table = meta.block_tables[b, first_blk:nblk].long()
+        k = _gather_blocks(key_cache, table).reshape(1, -1, hkv, d)[:, : seq_len - start]  # [1, L, Hkv, D]
+        v = _gather_blocks(value_cache, table).reshape(1, -1, hkv, d)[:, : seq_len - start]
+        q_pos = torch.arange(first_q, seq_len, device=query.device)
+        k_pos = torch.arange(start, seq_len, device=query.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [Lq, L] causal
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         out[lo:hi] = _attend(query[None, lo:hi], k, v, visible[None], scale)[0]
     return out
 
@@ -201,6 +223,7 @@ def triton_paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention with the lab's Triton kernels (CUDA): ``paged_attention_decode`` for a decode-only
     step (the one a CUDA graph replays), ``paged_prefill_attention`` for a mixed one (a decode is a chunk of
@@ -210,11 +233,11 @@ def triton_paged_attention(
     if meta.is_decode_only:
         return paged_attention_decode(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-            version=meta.decode_version, validate=False,
+            version=meta.decode_version, validate=False, sliding_window=sliding_window,
         )
     return paged_prefill_attention(
         query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        max_query_len=meta.max_query_len, validate=False,
+        max_query_len=meta.max_query_len, validate=False, sliding_window=sliding_window,
     )
 
 
@@ -248,14 +271,16 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)
     key_cache, value_cache = meta.kv_caches[module.layer_idx]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    # the layer's window, as transformers passes it (Mistral, Qwen2/3, Gemma 3, OLMo 3: None on full layers)
+    window = kwargs.get("sliding_window")
     if meta.backend == "triton":
         from pagedkv.kernels import reshape_and_cache
 
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
-        out = triton_paged_attention(q, key_cache, value_cache, meta, scale)
+        out = triton_paged_attention(q, key_cache, value_cache, meta, scale, window)
     else:
         write_kv_torch(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch_paged_attention(q, key_cache, value_cache, meta, scale)
+        out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window)
     return out[None], None  # [1, T, Hq, D]
 
 

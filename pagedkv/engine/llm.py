@@ -27,11 +27,17 @@ from pagedkv.kv_cache_manager import KVCacheManager, cdiv
 from pagedkv.request import Request, RequestStatus
 from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
 
-#: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE).
+#: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE; the
+#: q/k norms of Qwen3, Gemma 3 and OLMo 3 are the model's own code). Mistral's layers all slide; Qwen2's and
+#: Qwen3's slide where ``config.layer_types`` says ``"sliding_attention"``; Gemma 3 has five sliding layers per
+#: full one, OLMo 3 three. transformers passes each layer's window to the attention function.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
 #: The default swap space (pinned host memory on a GPU): vLLM V0's default, ``EngineArgs.swap_space = 4`` GiB
 #: (vLLM 0.26 has no swapping), so that a large GPU pool does not pin all of the host's memory.
@@ -41,7 +47,8 @@ CPU_KV_CACHE_BYTES = 128 * 2**20
 
 
 def check_architecture(config: Any) -> None:
-    """``ValueError`` naming the supported architectures unless ``config`` is one of them."""
+    """``ValueError`` naming the supported architectures unless ``config`` is one of them (and uses no attention
+    feature the paged attention lacks: logit soft-capping)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         archs = getattr(config, "architectures", None) or [model_type]
@@ -49,6 +56,9 @@ def check_architecture(config: Any) -> None:
             f"unsupported architecture {', '.join(map(str, archs))} (model_type={model_type!r}): the engine serves "
             f"{', '.join(SUPPORTED_ARCHITECTURES.values())}"
         )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attention logit soft-capping (config.attn_logit_softcapping) is not supported: set it to "
+                         "None (Gemma 3's default)")
 
 
 def _is_int(x: object) -> bool:
@@ -71,7 +81,7 @@ class _Sequence:
 
 
 class LLM:
-    """An offline engine serving a transformers Llama, Qwen2 or Mistral model on the lab's paged KV cache.
+    """An offline engine serving a transformers model of :data:`SUPPORTED_ARCHITECTURES` on the lab's paged KV cache.
 
     ``model``: a Hugging Face id, a local ``save_pretrained`` folder, or a loaded model (used as is; the
     engine never changes its attention setting outside its own forward calls). ``num_gpu_blocks=None``
@@ -132,9 +142,6 @@ class LLM:
             raise ValueError("attn_backend='triton' needs the model on a CUDA device")
 
         limit = getattr(config, "max_position_embeddings", None) or 2048
-        window = getattr(config, "sliding_window", None)
-        if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
-            limit = min(limit, window)  # no sliding-window attention here: stay inside the window
         if max_model_len is None:
             max_model_len = limit
         if not _is_int(max_model_len) or not 1 < max_model_len <= limit:

@@ -382,6 +382,9 @@ class ModelRunner:
         out = torch.mm(hidden, head.weight.t(), out=self._logits[:s])  # [S, V]
         if getattr(head, "bias", None) is not None:
             out += head.bias
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap is not None:  # Gemma's cap * tanh(logits / cap): LogitsProcessor(soft_cap=...) in vLLM's gemma3.py
+            out.div_(cap).tanh_().mul_(cap)
         return out
 
     @torch.no_grad()
