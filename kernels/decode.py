@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from pagedkv.attention import check_sliding_window
+from pagedkv.utils import check_int
 
 from ._common import (
     check_block_tables,
@@ -122,7 +123,6 @@ _PLANS: dict[tuple, _Plan] = {}
 def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, version, num_splits, out,
                k_scale, v_scale, validate, sliding_window=None) -> _Plan:
     """Every check that depends only on shapes, dtypes, strides and devices; raises ValueError."""
-    check_sliding_window(sliding_window)
     if sliding_window is not None and version not in (None, *WINDOW_VERSIONS):
         raise ValueError(f"a sliding window is taken by versions {WINDOW_VERSIONS} (and the default dispatch); "
                          f"got version={version}")
@@ -199,11 +199,11 @@ def paged_attention_decode(
     """
     if version is not None and version not in DECODE_VERSIONS:
         raise ValueError(f"version must be one of {DECODE_VERSIONS} or None; got {version!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= 4 * MAX_SPLITS):
-        raise ValueError(f"num_splits must be an int in 1..{4 * MAX_SPLITS}; got {num_splits!r}")
+    if num_splits is not None:
+        check_int(num_splits, "num_splits", 1, 4 * MAX_SPLITS)
     if num_splits is not None and version not in (None, 4):
         raise ValueError(f"num_splits applies to version 4 (split-K) only; got version={version}")
+    sliding_window = check_sliding_window(sliding_window)
     key = (_signature(query), _signature(key_cache), _signature(value_cache), _signature(block_tables),
            _signature(seq_lens), None if out is None else _signature(out), scale, version, num_splits,
            validate, k_scale, v_scale, sliding_window)

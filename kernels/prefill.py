@@ -162,7 +162,7 @@ def paged_prefill_attention(
     Mirrors: vLLM 0.26's ``unified_attention`` (vllm/v1/attention/ops/triton_unified_attention.py) on a batch
     with prefills, and ``context_attention_fwd`` (vllm/v1/attention/ops/prefix_prefill.py).
     """
-    check_sliding_window(sliding_window)
+    sliding_window = check_sliding_window(sliding_window)
     num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads = check_query_and_cache(
         query,
         key_cache,

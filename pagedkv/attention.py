@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from pagedkv.utils import check_int
+
 __all__ = [
     "attention",
     "check_sliding_window",
@@ -99,11 +101,12 @@ def _compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> tor
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_sliding_window(sliding_window: int | None) -> None:
-    """``ValueError`` unless ``sliding_window`` is ``None`` (full attention) or an int >= 1."""
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None (full attention) or an int >= 1; got {sliding_window!r}")
+def check_sliding_window(sliding_window: int | None) -> int | None:
+    """``sliding_window`` as a Python int (``None`` stays ``None``: full attention); ``ValueError`` unless it is
+    ``None`` or an int >= 1."""
+    if sliding_window is None:
+        return None
+    return check_int(sliding_window, "sliding_window", 1, why="or None for full attention")
 
 
 def ref_paged_attention_decode(
@@ -124,7 +127,7 @@ def ref_paged_attention_decode(
     last ``W`` tokens; the blocks wholly before them are never read, so their table entries may be the null
     block. Nothing is modified.
     """
-    check_sliding_window(sliding_window)
+    sliding_window = check_sliding_window(sliding_window)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     cdt = _compute_dtype(query.dtype, compute_dtype)
     out = torch.empty(query.shape, dtype=cdt, device=query.device)
@@ -154,7 +157,7 @@ def ref_paged_prefill_attention(
     tokens up to and including itself. Decode is the case ``q_len == 1``. With ``sliding_window = W``
     it sees only the last ``W`` of those (see :func:`attention`). Nothing is modified.
     """
-    check_sliding_window(sliding_window)
+    sliding_window = check_sliding_window(sliding_window)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     cdt = _compute_dtype(query.dtype, compute_dtype)
     out = torch.empty(query.shape, dtype=cdt, device=query.device)

@@ -2,10 +2,11 @@
 
     pagedkv grade [PATH...] [--json FILE] [--timeout S]   grade notebooks (default: exercises/)
     pagedkv grade --class FOLDER --csv FILE              grade a class's notebooks, one CSV
-    pagedkv build-exercises [--check] [NAME...]           grading/source/ -> exercises/, solutions/, zips
+    pagedkv build-exercises [--check] [--force] [NAME...] grading/source/ -> exercises/, solutions/, zips
     pagedkv bench [NAME...]                               run the lab's benchmarks (see BENCHMARKS)
+    pagedkv serve MODEL [--port N ...]                    an OpenAI-compatible server (vllm serve's flags)
 
-``./lab grade``, ``./lab exercises`` and ``./lab bench`` call these.
+``./lab grade``, ``./lab exercises``, ``./lab bench`` and ``./lab serve`` call these.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ BENCHMARKS: dict[str, str] = {
     "scheduling": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator
     "kernels": "pagedkv.kernels.bench",  # lesson 6: decode kernels (tiny interpreter run on a CPU)
     "engine": "pagedkv.benchmarks.engine",  # lesson 7: HF generate / static batch / generate_batch vs the engine
+    "serve": "pagedkv.benchmarks.serve",  # lesson 9: load generator against the OpenAI-compatible server
 }
+#: Benchmarks that need options (and a server) to run: ``pagedkv bench`` without names skips them.
+NEEDS_OPTIONS = {"serve"}
 
 
 def _repo_root() -> Path:
@@ -94,13 +98,18 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         print("\n" + learner_totals(rows))
         if args.csv:
             write_csv(rows, args.csv)
-    elif results and not args.no_progress:
-        from pagedkv.grading.progress import record_progress
+    elif results:
+        if len({r.autograder for r in results}) < len(results):  # two notebooks of one set: a class?
+            print("pagedkv grade: several notebooks of the same set were graded, and the total above adds them up "
+                  "as one learner's; to grade a class, one row per learner: ./lab grade --class FOLDER --csv FILE",
+                  file=sys.stderr)
+        if not args.no_progress:
+            from pagedkv.grading.progress import record_progress
 
-        try:
-            record_progress(results)
-        except OSError as exc:  # a read-only checkout: the grades above still stand
-            print(f"pagedkv grade: could not record progress: {exc}", file=sys.stderr)
+            try:
+                record_progress(results)  # the notebooks in exercises/ only
+            except OSError as exc:  # a read-only checkout: the grades above still stand
+                print(f"pagedkv grade: could not record progress: {exc}", file=sys.stderr)
     if not results:
         print("pagedkv grade: nothing was graded", file=sys.stderr)
         return 2
@@ -112,14 +121,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     root = Path(args.root).resolve() if args.root else None
     try:
-        return build_all(root, args.names or None, check=args.check)
+        return build_all(root, args.names or None, check=args.check, force=args.force)
     except (ValueError, RuntimeError) as exc:
         print(f"pagedkv build-exercises: {exc}", file=sys.stderr)
         return 2
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    names = args.names or list(BENCHMARKS)
+    names = args.names or [n for n in BENCHMARKS if n not in NEEDS_OPTIONS]
     extra = getattr(args, "extra", [])
     if extra and len(names) != 1:
         print(f"pagedkv bench: options {extra} go to one benchmark; name exactly one (e.g. pagedkv bench engine "
@@ -139,6 +148,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return status
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagedkv.entrypoints.api_server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv", description="PagedKV Lab: grade, build exercises, bench.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grade a class: FOLDER/<learner>/NN_name.ipynb (or FOLDER/NN_name-<learner>.ipynb)")
     g.add_argument("--csv", metavar="FILE", help="with --class: one row per learner and exercise")
     g.add_argument("--no-progress", action="store_true",
-                   help="do not record the scores in .pagedkv/progress.json (the course index's progress table)")
+                   help="do not record the scores in .pagedkv/progress.json (the course index's progress table; "
+                   "only notebooks in exercises/ are recorded)")
     g.add_argument("--case-timeout", type=float, default=60.0, metavar="S",
                    help="seconds one test case may spend in your code, all its calls together (default 60)")
     g.add_argument("--memory", type=float, default=4.0, metavar="GB",
@@ -168,8 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build-exercises", help="generate exercises/, solutions/ and the autograder zips")
     b.add_argument("names", nargs="*", metavar="NAME", help="sets to build, e.g. 01 or 01_fragmentation (default: all)")
     b.add_argument("--check", action="store_true", help="write nothing; exit 1 when a committed file is stale")
+    b.add_argument("--force", action="store_true",
+                   help="replace notebooks that have changes of their own (a learner's answers); a copy of each "
+                   "is kept under .pagedkv/replaced/")
     b.add_argument("--root", help=argparse.SUPPRESS)
     b.set_defaults(func=_cmd_build)
+
+    from pagedkv.entrypoints.cli_args import make_arg_parser
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (lesson 9)")
+    make_arg_parser(s)
+    s.set_defaults(func=_cmd_serve)
 
     r = sub.add_parser("bench", help="run benchmarks and print their tables")
     r.add_argument(

@@ -251,6 +251,7 @@ def test_open_without_a_display_prints_the_url_and_does_not_open_a_browser(fake_
     assert "--IdentityProvider.token=abc123" in args and "--ServerApp.port_retries=0" in args
     assert "--port=8899" in args, "the server listens where the printed URL points"
     assert "--ServerApp.log_level=WARN" in args, "JupyterLab's own lines would show the address with token=..."
+    assert "--LabApp.log_level=WARN" in args, "the LabApp extension logs its [I ...] start-up lines on its own"
     assert "ssh -N" not in r.stdout
 
 

@@ -76,7 +76,7 @@ NEVER_STUBBED = {"pagedkv.block_pool.BlockPool._maybe_evict_cached_block"}
 
 def with_private_twins(symbols: Iterable[str]) -> list[str]:
     """``symbols`` plus, for each module-level function among them, its private twin where the module has one
-    (``pagedkv.sizing.num_gpu_blocks`` -> ``pagedkv.sizing._num_gpu_blocks``): the library's own callers use the
+    (``pagedkv.sizing.kv_cache_utils.num_gpu_blocks`` -> ``..._num_gpu_blocks``): the library's own callers use the
     twin so that hiding the public answer leaves them working, and a learner's function must not reach the
     answer through it either. Hidden like the answer, the twin breaks only library calls no check needs (a
     notebook cell that fails with "not available while grading" is not reported)."""
