@@ -15,6 +15,7 @@ from test_engine import assert_matches_hf, hf_greedy, make_prompts, one_thread  
 
 from pagedkv.engine import LLM, SUPPORTED_ARCHITECTURES, SamplingParams
 from pagedkv.engine.tiny_models import FAMILIES, TINY_WINDOW, tiny_model
+from pagedkv.utils import cdiv
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -22,8 +23,12 @@ HYBRID = ["qwen3", "qwen3-sliding", "qwen2-sliding", "mistral", "gemma3", "olmo3
 SHAPES = {
     "roomy": dict(num_gpu_blocks=200, block_size=4),
     "chunked": dict(num_gpu_blocks=200, block_size=4, max_num_batched_tokens=12),
-    "tight": dict(num_gpu_blocks=22, block_size=4, max_num_batched_tokens=64),
+    "tight": dict(block_size=4, max_num_batched_tokens=8),
 }
+#: The tight pool of each family (blocks of 4 tokens, block 0 the null block): a few blocks more than one request of
+#: 80 tokens needs, so the six requests preempt one another. A sliding group holds at most its window's worth
+#: (``max_admission_blocks_per_request``): Mistral's 8 blocks hold 28 tokens, for 80-token requests.
+TIGHT_POOL = {"qwen3": 24, "qwen3-sliding": 32, "qwen2-sliding": 32, "mistral": 8, "gemma3": 56, "olmo3": 46}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +82,7 @@ def test_the_window_changes_hfs_tokens(family, long_prompts):
 @pytest.mark.parametrize("family", HYBRID)
 def test_hybrid_families_match_hf_generate(family, shape, long_prompts):
     model, refs = model_and_refs(family, long_prompts)
-    llm = LLM(model, **SHAPES[shape])
+    llm = LLM(model, **SHAPES[shape], **({"num_gpu_blocks": TIGHT_POOL[family]} if shape == "tight" else {}))
     outputs = llm.generate(long_prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(outputs, refs, f"{family} {shape}")
     if shape == "tight":
@@ -100,6 +105,50 @@ def test_hybrid_families_with_prefix_caching(family):
     again = llm.generate(ps[:2], GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens >= 20 for o in again)
     assert_matches_hf(again, refs[:2], f"{family} prefix caching, second call")
+
+
+@pytest.mark.parametrize("family, groups", [("qwen3", None), ("mistral", "S"), ("qwen3-sliding", "FS"),
+                                            ("gemma3", "FSSSSS"), ("olmo3", "FSSS")])
+def test_one_kv_cache_group_per_attention_type(family, groups):
+    """vLLM 0.26's grouping (``get_kv_cache_groups``): one group per type, the types' layers dealt into groups of the
+    smaller type's layer count; the layers of different groups share the K/V tensors (one per group member)."""
+    llm = LLM(tiny_model(family), num_gpu_blocks=50, block_size=4)
+    if groups is None:
+        assert llm.kv_cache_groups is None and llm.kv_cache_config is None  # lesson 2-7's manager, unchanged
+        assert len({id(k) for k, _ in llm.runner.kv_caches}) == llm.model.config.num_hidden_layers
+        return
+    kinds = ["S" if w else "F" for w in llm.runner.group_windows]
+    assert sorted(kinds) == sorted(groups) and llm.kv_cache_manager.num_kv_cache_groups == len(groups)
+    assert all(w in (None, TINY_WINDOW) for w in llm.runner.group_windows)
+    group_size = max(len(g.layer_names) for g in llm.kv_cache_groups)
+    assert len({id(k) for k, _ in llm.runner.kv_caches}) == group_size
+    assert llm.runner.kv_cache_bytes() == group_size * 50 * llm.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+
+
+def test_an_all_sliding_model_serves_requests_whose_full_kv_would_not_fit():
+    """Mistral (every layer slides, one sliding-window group) on 7 usable blocks of 4 tokens: 28 tokens of KV for
+    requests of up to 80. Full attention would need up to 20 blocks per request; the sliding group releases each
+    block once the window has moved past it (the null block takes its place), so every request runs, token for
+    token as HF's."""
+    prompts = make_prompts(6, lo=20, hi=70, seed=4)
+    model, refs = model_and_refs("mistral", prompts)
+    llm = LLM(model, num_gpu_blocks=8, block_size=4, max_num_batched_tokens=8)
+    full_need = [-(-(len(p) + MAX_NEW) // 4) for p in prompts]
+    assert max(full_need) > llm.num_gpu_blocks - 1  # what every-block-kept attention could not hold
+    seen = []
+    execute = llm.runner.execute_model
+
+    def spy(so, token_ids):
+        seen.extend(so.tables_per_group(r)[0] for r in so.num_scheduled_tokens)
+        return execute(so, token_ids)
+
+    llm.runner.execute_model = spy
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(outputs, refs, "mistral, a 7-block pool")
+    assert any(t and t[0] == 0 for t in seen)  # out-of-window entries are the null block
+    # at most the window's worth held: cdiv(window - 1 + tokens in flight, block_size) + 1 blocks
+    assert max(sum(b != 0 for b in t) for t in seen) <= cdiv(TINY_WINDOW - 1 + 8, 4) + 1
+    assert llm.kv_cache_manager.block_pool.get_num_free_blocks() == llm.num_gpu_blocks - 1
 
 
 def test_gemma_final_logit_softcapping_is_applied():

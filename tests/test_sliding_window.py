@@ -150,10 +150,13 @@ def test_prefill_kernel_with_a_window_matches_float64(window, group, dtype):
     assert relative_error(out2, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("group_window", [False, True], ids=["mask", "group"])
 @pytest.mark.parametrize("window", [1, 8, 31, 500])
 @pytest.mark.parametrize("seed", range(3))
-def test_engine_torch_backend_with_a_window_matches_float64(window, seed):
-    """The engine's torch path (decode groups plus prefill chunks, one mixed step) on the same null-block tables."""
+def test_engine_torch_backend_with_a_window_matches_float64(window, seed, group_window):
+    """The engine's torch path (decode groups plus prefill chunks, one mixed step) on the same null-block tables:
+    the window as a mask over decode groups built without it, and as a sliding-window KV cache group's (groups
+    gathered from each request's window on, ``meta.sliding_window`` set)."""
     from pagedkv.engine.attention import AttentionMetadata, make_decode_groups, torch_paged_attention
 
     g = torch.Generator().manual_seed(seed)
@@ -167,8 +170,12 @@ def test_engine_torch_backend_with_a_window_matches_float64(window, seed):
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), kv_caches=[(kc, vc)],
         decode_req_idx=torch.tensor(decodes),
         prefill_reqs=[(b, qsl_l[b], qsl_l[b + 1], seq_lens[b]) for b in range(len(pairs)) if q_lens[b] > 1],
-        decode_groups=make_decode_groups(decodes, seq_lens, bt, qsl_l, 8, max_groups=3, min_group=3),
+        decode_groups=make_decode_groups(decodes, seq_lens, bt, qsl_l, 8, max_groups=3, min_group=3,
+                                         sliding_window=window if group_window else None),
+        sliding_window=window if group_window else None,
     )
+    if group_window:  # a sliding layer's decode reads its window's blocks only, however long the request
+        assert all(g.width <= -(-window // 8) + 1 for g in meta.decode_groups)
     got = torch_paged_attention(q, kc, vc, meta, 0.25, sliding_window=window)
     want = ref_paged_prefill_attention(q, kc, vc, bt, sl, qsl, 0.25, compute_dtype=torch.float64,
                                        sliding_window=window)
