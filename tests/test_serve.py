@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from pagedkv.benchmarks.serve import parse_metrics
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.entrypoints.api_server import bind_socket, build_app, build_engine
 from pagedkv.entrypoints.cli_args import make_arg_parser
@@ -212,6 +213,8 @@ def test_disconnects_abort_and_free_blocks(srv):
                    timeout=0.3)
     snap = idle(srv)
     assert len(snap["free_queue"]) == BLOCKS - 1
+    gauges = parse_metrics(srv.client.get("/metrics").text)
+    assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:kv_cache_usage_perc"] == 0
     assert completion(srv, prompt=[1, 2], max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 

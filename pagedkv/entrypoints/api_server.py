@@ -520,11 +520,11 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
 
 
 def reserve_contiguous(llm: Any) -> None:
-    """Switch a fresh engine to contiguous ``max_model_len`` reservation: the same pool and scheduler with
-    lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager` (first fit, ``ceil(max_model_len /
-    block_size)`` blocks per request, reserved at admission), so that paged and contiguous differ in the
-    allocation rule alone."""
-    from pagedkv.scheduler import Scheduler
+    """Switch a fresh engine to contiguous ``max_model_len`` reservation: the same pool and scheduler (its own
+    class, so an ``AsyncScheduler`` stays one) with lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager`
+    (first fit, ``ceil(max_model_len / block_size)`` blocks per request, reserved at admission), so that paged and
+    contiguous differ in the allocation rule alone. The engine core, where there is one, steps the new
+    scheduler."""
     from pagedkv.sim.baseline import ContiguousKVCacheManager
 
     old = llm.scheduler
@@ -532,8 +532,11 @@ def reserve_contiguous(llm: Any) -> None:
         raise ValueError("switch to contiguous reservation before any request is added")
     manager = ContiguousKVCacheManager(llm.num_gpu_blocks, llm.block_size, llm.max_model_len)
     llm.kv_cache_manager = manager
-    llm.scheduler = Scheduler(manager, old.max_num_running_reqs, old.max_num_batched_tokens,
+    llm.scheduler = type(old)(manager, old.max_num_running_reqs, old.max_num_batched_tokens,
                               preemption_mode=old.preemption_mode, num_cpu_blocks=old.cpu_block_pool.num_blocks)
+    core = getattr(llm, "engine_core", None)
+    if core is not None:
+        core.scheduler = llm.scheduler
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
