@@ -40,6 +40,9 @@ def _repo_root() -> Path:
 
 def _cmd_grade(args: argparse.Namespace) -> int:
     from pagedkv.grading.grade import format_table, grade_paths, report_json
+    from pagedkv.grading.limits import Limits
+    from pagedkv.grading.output import write_replacing
+    from pagedkv.grading.sandbox import bwrap_problem
 
     root = _repo_root()
     for flag, value in (("--timeout", args.timeout), ("--cell-timeout", args.cell_timeout),
@@ -47,6 +50,11 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         if not value > 0:
             print(f"pagedkv grade: {flag} must be a positive number of seconds (got {value:g})", file=sys.stderr)
             return 2
+    if not args.memory > 0:
+        print(f"pagedkv grade: --memory must be a positive number of GB (got {args.memory:g})", file=sys.stderr)
+        return 2
+    limits = Limits(timeout=args.timeout, cell_timeout=args.cell_timeout, case_timeout=args.case_timeout,
+                    memory=int(args.memory * (1 << 30)))
     if args.jobs is not None and args.jobs < 1:
         print(f"pagedkv grade: --jobs must be at least 1 (got {args.jobs})", file=sys.stderr)
         return 2
@@ -69,6 +77,14 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print(f"pagedkv grade: --csv {args.csv}: the folder {Path(args.csv).parent} does not exist",
                   file=sys.stderr)
             return 2
+    problem = bwrap_problem()
+    if problem is not None and args.class_folder:
+        print(f"pagedkv grade --class: refusing to grade a class without a sandbox: {problem}", file=sys.stderr)
+        return 2
+    if problem is not None and not args.quiet:
+        print(f"pagedkv grade: note: grading without a sandbox ({problem}): your code runs as a plain process "
+              "with the library's answers removed and rlimits, which is enough to grade your own work",
+              file=sys.stderr)
     paths = ([args.class_folder] if args.class_folder else []) + list(args.paths or [])
     paths = paths or [str(root / "exercises")]
     autograder_dir = Path(args.autograder_dir) if args.autograder_dir else root / "grading" / "autograder"
@@ -81,16 +97,14 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print(f"graded {result.notebook}: {result.score:g}/{result.possible:g} ({result.status}, "
                   f"{result.seconds:.0f} s)", file=sys.stderr, flush=True)
 
-    results, problems = grade_paths(
-        paths, autograder_dir=autograder_dir, timeout=args.timeout, cell_timeout=args.cell_timeout,
-        case_timeout=args.case_timeout, memory=int(args.memory * (1 << 30)), jobs=args.jobs, on_result=progress,
-    )
+    results, problems = grade_paths(paths, autograder_dir=autograder_dir, limits=limits,
+                                    require_sandbox=bool(args.class_folder), jobs=args.jobs, on_result=progress)
     for p in problems:
         print(f"skipped: {p}", file=sys.stderr)
     if results:
         print(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(report_json(results), indent=2) + "\n", encoding="utf-8")
+        write_replacing(args.json, json.dumps(report_json(results), indent=2) + "\n")
     if args.class_folder:
         from pagedkv.grading.classroom import class_rows, learner_totals, write_csv
 
@@ -155,26 +169,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedkv.grading.limits import DEFAULT_LIMITS
+
     parser = argparse.ArgumentParser(prog="pagedkv", description="PagedKV Lab: grade, build exercises, bench.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("grade", help="grade exercise notebooks (default: exercises/)")
     g.add_argument("paths", nargs="*", metavar="PATH", help="notebooks or folders (default: exercises/)")
     g.add_argument("--json", metavar="FILE", help='also write {"score", "possible", "notebooks"} to FILE')
-    g.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="seconds per notebook before it is stopped and failed (default 300)")
-    g.add_argument("--cell-timeout", type=float, default=60.0, metavar="S",
-                   help="seconds per cell before the cell is interrupted (default 60)")
+    g.add_argument("--timeout", type=float, default=DEFAULT_LIMITS.timeout, metavar="S",
+                   help=f"seconds per notebook before it is stopped and failed (default {DEFAULT_LIMITS.timeout:g})")
+    g.add_argument("--cell-timeout", type=float, default=DEFAULT_LIMITS.cell_timeout, metavar="S",
+                   help=f"seconds per cell before the cell is interrupted (default {DEFAULT_LIMITS.cell_timeout:g})")
     g.add_argument("--class", dest="class_folder", metavar="FOLDER",
                    help="grade a class: FOLDER/<learner>/NN_name.ipynb (or FOLDER/NN_name-<learner>.ipynb)")
     g.add_argument("--csv", metavar="FILE", help="with --class: one row per learner and exercise")
     g.add_argument("--no-progress", action="store_true",
                    help="do not record the scores in .pagedkv/progress.json (the course index's progress table; "
                    "only notebooks in exercises/ are recorded)")
-    g.add_argument("--case-timeout", type=float, default=60.0, metavar="S",
-                   help="seconds one test case may spend in your code, all its calls together (default 60)")
-    g.add_argument("--memory", type=float, default=4.0, metavar="GB",
-                   help="address space of the process that runs a notebook's code (default 4 GB)")
+    g.add_argument("--case-timeout", type=float, default=DEFAULT_LIMITS.case_timeout, metavar="S",
+                   help="seconds one test case may spend in your code, all its calls together "
+                   f"(default {DEFAULT_LIMITS.case_timeout:g})")
+    g.add_argument("--memory", type=float, default=DEFAULT_LIMITS.memory / (1 << 30), metavar="GB",
+                   help="memory of the sandbox that runs a notebook's code "
+                   f"(default {DEFAULT_LIMITS.memory / (1 << 30):g} GB)")
     g.add_argument("--jobs", "-j", type=int, default=None, help="notebooks graded at once (default: CPUs, max 4)")
     g.add_argument("--autograder-dir", metavar="DIR", help="where the NN_name.zip files are "
                    "(default: grading/autograder/ of this repository)")

@@ -1,7 +1,7 @@
 """KV cache groups on one pool (lesson 8): specs, the single-type managers, the coordinators, the manager and
 the scheduler over groups.
 
-Fixed cases reproduce what vLLM 0.26 itself does (``/work/shared/notes/vllm-core-on-cpu.md`` records a run of
+Fixed cases reproduce what vLLM 0.26 itself does (``docs/vllm-core-on-cpu.md`` records a run of
 its own manager with a full and a sliding-window group); the hypothesis machine checks the invariants on random
 admit, chunked prefill, decode, fork and free sequences over random configs: every block is free or held with
 ``ref_cnt`` equal to its number of holders across all groups; a held block belongs to one group; a
@@ -460,3 +460,70 @@ def test_widget_of_one_full_group_is_unchanged():
             prefill_and_decode(m, Request("a", list(range(9)), max_tokens=4), 3)
         out.append([v["tables"] for v in view_frames(rec.frames)])
     assert out[0] == out[1] and all(len(row) == 3 for tables in out[0] for row in tables)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_scheduler_over_groups_every_step_reads_its_own_window(seed):
+    """Random hybrid configs and requests (shared prefixes, long prompts, chunked prefill, preemption): at every
+    step, each scheduled token's K/V is written at its slot in every group, and every scheduled request then
+    reads back its own tokens over every position its attention covers, in every group."""
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4])
+    window = rng.randint(2, 4 * bs + 3)
+    layouts = [[full(bs), swa(bs, window)], [swa(bs, window)], [full(bs), swa(bs, window), swa(bs, window)]]
+    specs = rng.choice(layouts)
+    num_blocks = rng.randint(12, 40)
+    m = KVCacheManager(config(num_blocks, *specs), max_model_len=512, enable_caching=rng.random() < 0.8)
+    s = Scheduler(m, max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=rng.randint(4, 24))
+    shadow = ShadowKVCache(num_blocks, bs)
+    root = [rng.randrange(9) for _ in range(rng.randint(bs, 5 * bs))]
+    reqs = []
+    for i in range(rng.randint(3, 8)):
+        prompt = (root if rng.random() < 0.6 else []) + [rng.randrange(9) for _ in range(rng.randint(1, 10))]
+        r = Request(f"q{i}", prompt, max_tokens=rng.randint(1, 12))
+        try:
+            s.add_request(r)
+        except ValueError:
+            continue
+        reqs.append(r)
+    for _ in range(600):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        for rid, n in out.num_scheduled_tokens.items():
+            req = s.requests[rid]
+            start = out.num_computed_tokens[rid]
+            for slots in out.slots_per_group(rid):
+                shadow.write(slots, req.all_token_ids[start : start + n])
+            end = start + n
+            for spec, table in zip(specs, out.tables_per_group(rid), strict=True):
+                first = max(0, start - spec.sliding_window + 1) if isinstance(spec, SlidingWindowSpec) else 0
+                for p in range(first, end):
+                    got = shadow.gpu[table[p // bs]][p % bs]
+                    assert table[p // bs] != 0 and got == req.all_token_ids[p], (rid, p, table)
+        samples = {rid: (len(s.requests[rid].all_token_ids) * 7) % 9 for rid in out.num_scheduled_tokens
+                   if rid not in out.partial_prefill_req_ids}  # fmt: skip
+        s.update_from_output(out, samples)
+    assert not s.has_unfinished_requests()
+    assert m.get_num_free_blocks() == num_blocks - 1
+
+
+def test_a_step_in_flight_keeps_the_blocks_its_window_reads():
+    """Two steps scheduled before the first's output comes back (async scheduling): the second must not free
+    blocks the first is still computing with. vLLM frees on the processed-token basis (num_computed_tokens -
+    num_in_flight_tokens); counting the in-flight step as processed would free positions 0-3 here."""
+    m = KVCacheManager(config(20, swa(2, 4)), max_model_len=64)
+    s = Scheduler(m, max_num_seqs=1, max_num_batched_tokens=8)
+    r = Request("r", list(range(16)), max_tokens=2)
+    s.add_request(r)
+    first = s.schedule()  # positions 0-7
+    assert r.num_in_flight_tokens == 8
+    second = s.schedule()  # positions 8-15, while the first step is still running
+    assert second.num_scheduled_tokens == {"r": 8} and r.num_in_flight_tokens == 16
+    assert 0 not in m.get_block_ids("r")  # position 4 reads 1..4: blocks 0-1 are still needed
+    s.update_from_output(first, {})
+    assert r.num_in_flight_tokens == 8
+    s.update_from_output(second, {"r": 5})
+    assert r.num_in_flight_tokens == 0
+    s.schedule()  # the decode: 16 computed, the window of position 16 is 13..16
+    assert m.get_block_ids("r")[:6] == [0] * 6

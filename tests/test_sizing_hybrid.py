@@ -124,3 +124,36 @@ def test_sizing_agrees_with_vllms_own_functions():
         assert theirs["groups"] == mine["groups"]
         assert theirs["num_blocks"] == mine["num_blocks"] and theirs["needed"] == mine["needed"]
         assert theirs["concurrency"] == pytest.approx(mine["concurrency"], rel=1e-12)
+
+
+def test_make_kv_cache_config_feeds_the_manager():
+    from pagedkv import KVCacheManager, Request
+    from pagedkv.kv_cache_coordinator import HybridKVCacheCoordinator
+    from pagedkv.sizing.hybrid import layer_to_group, make_kv_cache_config
+
+    cfg = HYBRID_SHAPES["gpt-oss-20b"]
+    kv = make_kv_cache_config(cfg, 64, block_size=4)
+    where = layer_to_group(kv)
+    assert len(kv.kv_cache_groups) == 2 and len(where) == 24
+    assert where["model.layers.0.self_attn.attn"] == 0 and where["model.layers.1.self_attn.attn"] == 1
+    assert len(kv.kv_cache_tensors) == 12 and kv.kv_cache_tensors[0].shared_by == [
+        "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    m = KVCacheManager(kv, max_model_len=1024)
+    assert isinstance(m.coordinator, HybridKVCacheCoordinator)
+    r = Request("r", list(range(120)), max_tokens=4)  # 30 blocks in each group: 60 of the 63 usable
+    assert m.allocate_slots(r, 120) is not None and m.get_num_free_blocks() == 3
+    one = make_kv_cache_config(HYBRID_SHAPES["Mistral 7B v0.1"], 16)
+    assert len(one.kv_cache_groups) == 1
+
+
+def test_capacity_table_rows():
+    from pagedkv.sizing.hybrid import capacity_table
+
+    rows = capacity_table(70 * GiB)
+    by = {(r["model"], r["max_model_len"]): r for r in rows}
+    assert set(HYBRID_SHAPES) == {r["model"] for r in rows}
+    assert ("Mistral 7B v0.1", 131072) not in by  # past its 32,768-token context
+    r = by[("gpt-oss-20b", 131072)]
+    assert (r["groups"], r["group_size"]) == (2, 12)
+    assert r["gain"] == pytest.approx(r["concurrency"] / r["concurrency_all_full"]) == pytest.approx(1.78, abs=0.01)
+    assert by[("Gemma 3 27B", 131072)]["gain"] > 3

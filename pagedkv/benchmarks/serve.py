@@ -29,11 +29,12 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -81,26 +82,46 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 @dataclass
 class RequestResult:
-    """One request as the client saw it."""
+    """One request as the client saw it: when it was sent, when each chunk with tokens came, how many tokens
+    each carried, when the stream ended; and :func:`request_metrics` of those."""
 
     prompt_len: int
-    output_len: int
+    output_len: int = 0
     ok: bool = False
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
+    tpot: float | None = None
     error: str = ""
     start: float = 0.0
 
 
+def request_metrics(start: float, chunk_times: Sequence[float], chunk_tokens: Sequence[int], end: float
+                    ) -> dict[str, Any]:
+    """One streamed request's latencies as ``vllm bench serve`` defines them (seconds): ``ttft``, the first
+    chunk's arrival after ``start``; ``itl``, the gaps between consecutive chunks; ``latency``, ``end - start``
+    (the stream's end); ``tpot``, ``(latency - ttft) / (output_len - 1)`` with ``output_len`` the tokens of all
+    chunks, ``None`` for a single token. Mirrors ``calculate_metrics`` (``vllm/benchmarks/serve.py``) and the
+    stream timing of ``vllm/benchmarks/lib/endpoint_request_func.py``."""
+    if not chunk_times or len(chunk_times) != len(chunk_tokens):
+        raise ValueError("give one arrival time and one token count per chunk, at least one chunk")
+    output_len = sum(chunk_tokens)
+    ttft = chunk_times[0] - start
+    latency = end - start
+    itl = [chunk_times[i] - chunk_times[i - 1] for i in range(1, len(chunk_times))]
+    tpot = (latency - ttft) / (output_len - 1) if output_len > 1 else None
+    return {"ttft": ttft, "itl": itl, "latency": latency, "tpot": tpot, "output_len": output_len}
+
+
 async def send_request(client: Any, url: str, model: str, req: SampleRequest, t0: float) -> RequestResult:
-    """One streaming completion; TTFT at the first chunk that carries text or tokens, ITL between chunks."""
-    res = RequestResult(len(req.prompt_token_ids), req.output_len, start=time.perf_counter() - t0)
+    """One streaming completion, timed chunk by chunk (chunks without tokens, such as the usage chunk, are not
+    counted)."""
+    res = RequestResult(len(req.prompt_token_ids), start=time.perf_counter() - t0)
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
+    times: list[float] = []
+    tokens: list[int] = []
     start = time.perf_counter()
-    last = start
-    got = 0
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -116,21 +137,19 @@ async def send_request(client: Any, url: str, model: str, req: SampleRequest, t0
                 if "error" in chunk:
                     res.error = chunk["error"]["message"]
                     return res
-                ids = sum((c.get("token_ids") or [] for c in chunk.get("choices", [])), [])
-                if not ids:
-                    continue
-                now = time.perf_counter()
-                if got == 0:
-                    res.ttft = now - start
-                else:
-                    res.itl.append(now - last)
-                last = now
-                got += len(ids)
-        res.latency = time.perf_counter() - start
-        res.output_len = got
-        res.ok = got > 0
+                n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                if n:
+                    times.append(time.perf_counter())
+                    tokens.append(n)
+        end = time.perf_counter()
     except Exception as exc:  # a refused connection, a reset: counted as failed, the run goes on
         res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    if times:
+        m = request_metrics(start, times, tokens, end)
+        res.ttft, res.itl, res.latency, res.tpot, res.output_len = (m["ttft"], m["itl"], m["latency"], m["tpot"],
+                                                                    m["output_len"])
+        res.ok = True
     return res
 
 
@@ -172,11 +191,11 @@ def _stats(values: list[float], prefix: str) -> dict[str, float]:
 
 def calculate_metrics(results: list[RequestResult], duration: float) -> dict[str, Any]:
     """``vllm bench serve``'s summary: throughput and TTFT / TPOT / ITL / E2E statistics. Mirrors
-    ``calculate_metrics`` (``vllm/benchmarks/serve.py``): TPOT is ``(latency - ttft) / (output_len - 1)`` per
-    request; ITL pools every gap between chunks of every request."""
+    ``calculate_metrics`` (``vllm/benchmarks/serve.py``): each request's TPOT from :func:`request_metrics`; ITL
+    pools every gap between chunks of every request."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_len for r in ok)
-    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
     return {
         "completed": len(ok), "failed": len(results) - len(ok), "duration": duration,
         "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": out_tokens,
@@ -230,36 +249,83 @@ async def benchmark(base_url: str, model: str, requests: list[SampleRequest], ra
     return summary
 
 
-@contextlib.contextmanager
-def launched_server(model: str, server_args: list[str], timeout: float = 300.0) -> Iterator[str]:
-    """``pagedkv serve MODEL --port 0 ...`` in a child process (one torch thread), yielding its base URL once it
-    answers; stopped (SIGTERM, then SIGKILL) on exit, whatever happens."""
-    import httpx
+class ServerProcess:
+    """``pagedkv serve MODEL --host 127.0.0.1 --port 0 ...`` in a child process (one torch thread unless
+    ``OMP_NUM_THREADS`` says otherwise). :meth:`start` returns once ``/health`` answers (``base_url`` is then
+    set); :meth:`stop` ends it (SIGTERM, then SIGKILL) and is safe to call twice. A notebook starts one in a
+    cell and stops it in a later one; :func:`launched_server` is the ``with`` form."""
 
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
+    def __init__(self, model: str, server_args: Sequence[str] = (), timeout: float = 300.0) -> None:
+        self.model, self.server_args, self.timeout = model, list(server_args), timeout
+        self.proc: subprocess.Popen | None = None
+        self.base_url: str | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.log: list[str] = []
+
+    def start(self) -> ServerProcess:
+        import httpx
+
+        self._tmp = tempfile.TemporaryDirectory()
+        port_file = Path(self._tmp.name) / "port"
+        log_file = Path(self._tmp.name) / "server.log"
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        cmd = [sys.executable, "-m", "pagedkv.entrypoints.api_server", model, "--host", "127.0.0.1", "--port", "0",
-               "--port-file", str(port_file), *server_args]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [sys.executable, "-m", "pagedkv.entrypoints.api_server", self.model, "--host", "127.0.0.1",
+               "--port", "0", "--port-file", str(port_file), *self.server_args]
+        self._log = open(log_file, "w+", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
         try:
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + self.timeout
             while not port_file.exists() or not port_file.read_text().strip():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited ({proc.returncode}): {proc.stdout.read()[-2000:]}")
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited ({self.proc.returncode}): {self.output()[-2000:]}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the server did not start within {timeout:.0f} s")
+                    raise TimeoutError(f"the server did not start within {self.timeout:.0f} s")
                 time.sleep(0.1)
-            base = f"http://127.0.0.1:{int(port_file.read_text())}"
-            httpx.get(f"{base}/health", timeout=30).raise_for_status()
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=20)
+            self.base_url = f"http://127.0.0.1:{int(port_file.read_text())}"
+            httpx.get(f"{self.base_url}/health", timeout=30).raise_for_status()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def output(self) -> str:
+        """What the server printed so far."""
+        if self._tmp is None:
+            return ""
+        self._log.flush()
+        return (Path(self._tmp.name) / "server.log").read_text(encoding="utf-8")
+
+    def stop(self) -> int | None:
+        """Stop the server; returns its exit status (None if it never started)."""
+        rc = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=20)
+            rc = self.proc.returncode
+            self.proc = None
+        if self._tmp is not None:
+            self._log.close()
+            self._tmp.cleanup()
+            self._tmp = None
+        return rc
+
+
+@contextlib.contextmanager
+def launched_server(model: str, server_args: Sequence[str] = (), timeout: float = 300.0) -> Iterator[str]:
+    """A :class:`ServerProcess` for the ``with`` block, yielding its base URL; stopped on exit, whatever
+    happens."""
+    server = ServerProcess(model, server_args, timeout)
+    server.start()
+    try:
+        assert server.base_url is not None
+        yield server.base_url
+    finally:
+        server.stop()
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
@@ -274,35 +340,38 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 
 
-def plot(runs: list[dict[str, Any]], path: str) -> None:
-    """Latency against achieved throughput per mode (median TTFT and TPOT), and the running batch over time at
-    the highest rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(runs: list[dict[str, Any]], path: str | None = None) -> Any:
+    """Latency against achieved throughput per mode (median TTFT and TPOT), and the running batch and the
+    preemptions over time at the highest rate. Saved to ``path`` when given; returns the figure."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    modes = list(dict.fromkeys(r["mode"] for r in runs))
-    for mode in modes:
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.2))
+    (ttft_ax, tpot_ax), (run_ax, pre_ax) = axes
+    for mode in dict.fromkeys(r["mode"] for r in runs):
         rs = [r for r in runs if r["mode"] == mode]
         x = [r["request_throughput"] for r in rs]
-        axes[0].plot(x, [r["median_ttft_ms"] for r in rs], "o-", label=mode)
-        axes[1].plot(x, [r["median_tpot_ms"] for r in rs], "o-", label=mode)
+        ttft_ax.plot(x, [r["median_ttft_ms"] for r in rs], "o-", label=mode)
+        tpot_ax.plot(x, [r["median_tpot_ms"] for r in rs], "o-", label=mode)
         last = rs[-1]
         ts = last["timeseries"]
-        axes[2].plot([s["t"] for s in ts], [s["running"] for s in ts], label=f"{mode} (rate {last['request_rate']})")
-    axes[0].set(xlabel="achieved throughput (requests/s)", ylabel="median TTFT (ms)", yscale="log",
+        label = f"{mode}, rate {last['request_rate']}"
+        run_ax.plot([p["t"] for p in ts], [p["running"] for p in ts], label=label)
+        base = ts[0]["preemptions"] if ts else 0.0
+        pre_ax.plot([p["t"] for p in ts], [p["preemptions"] - base for p in ts], label=label)
+    ttft_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TTFT (ms)", yscale="log",
                 title="time to first token")
-    axes[1].set(xlabel="achieved throughput (requests/s)", ylabel="median TPOT (ms)", title="time per output token")
-    axes[2].set(xlabel="time since the first request (s)", ylabel="running requests",
-                title="running batch at the highest rate")
-    for ax in axes:
+    tpot_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TPOT (ms)", title="time per output token")
+    run_ax.set(xlabel="time since the first request (s)", ylabel="running requests",
+               title="running batch at the highest rate")
+    pre_ax.set(xlabel="time since the first request (s)", ylabel="preemptions so far",
+               title="preemptions at the highest rate")
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8, framealpha=0.9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="save the curves here (PNG)")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine')")
     p.add_argument("--server-args", default="", help="with --launch: more `pagedkv serve` flags, one string "
-                   "(e.g. '--num-gpu-blocks 48 --max-model-len 512')")
+                   "split as a shell would (e.g. '--num-gpu-blocks 48 --max-model-len 512')")
     return p
 
 
@@ -357,7 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(format_table([summary]).splitlines()[-1], flush=True)
 
     if args.launch:
-        extra = args.server_args.split()
+        extra = shlex.split(args.server_args)
         for mode in args.modes:
             with launched_server(args.launch, [*extra, "--kv-reservation", mode]) as base:
                 sweep(base, mode)
@@ -374,6 +443,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
         plot(runs, args.plot)
     return report
 

@@ -327,6 +327,7 @@ class AsyncLLM:
             while True:
                 self._apply_pending()
                 if not self.core.has_unfinished_requests():
+                    self._record_scheduler_stats()  # aborts since the last step: the gauges show them gone
                     self._wake.clear()
                     if not self._pending:
                         await self._wake.wait()
@@ -381,6 +382,3 @@ class AsyncLLM:
         stats = sched.kv_cache_manager.make_prefix_cache_stats()
         self.stat_logger.record_scheduler(running, waiting, sched.kv_cache_manager.usage, new_preemptions,
                                           stats.queries, stats.hits)
-
-    def request_state(self, request_id: str) -> RequestState | None:
-        return self._states.get(request_id)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.block_table import make_block_table_tensor
 from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
@@ -158,13 +159,6 @@ def bucket_for(batch_size: int, capture_sizes: Sequence[int]) -> int | None:
     return None
 
 
-def padded_block_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The requests' block tables as one ``[B, W]`` int32 tensor, ``W`` the longest, shorter rows padded with the
-    null block 0 (read by nobody: entries past a request's ``seq_len`` are never read)."""
-    width = max(len(t) for t in block_tables)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-
-
 class GraphInputBuffers:
     """The static inputs of the decode graphs: one set of tensors, sized for the largest bucket, that every graph
     reads from, so a graph replays on new inputs once they are copied in (a graph is frozen: fixed addresses).
@@ -192,7 +186,7 @@ class GraphInputBuffers:
             raise ValueError("a decode graph takes a decode-only step (one token per request)")
         if not b <= size <= self.input_ids.shape[0]:
             raise ValueError(f"cannot run {b} requests in a graph of {size} (buffers for {self.input_ids.shape[0]})")
-        tables = padded_block_tables(inputs.block_tables)  # [B, W]
+        tables = make_block_table_tensor(inputs.block_tables)  # [B, W]
         width = tables.shape[1]
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a block table of {width} blocks; the graphs hold {self.block_tables.shape[1]}")
@@ -421,7 +415,7 @@ class ModelRunner:
             block_tables = [scheduler_output.tables_per_group(r)[group] for r in inputs.req_ids]
             slot_mapping = [s for r in inputs.req_ids for s in scheduler_output.slots_per_group(r)[group]]
         window = self.group_windows[group]
-        tables = padded_block_tables(block_tables)  # [B, W]
+        tables = make_block_table_tensor(block_tables)  # [B, W]
         qsl = inputs.query_start_loc
         decodes = [b for b in range(len(inputs.req_ids)) if qsl[b + 1] - qsl[b] == 1]
         prefills = [(b, qsl[b], qsl[b + 1], inputs.seq_lens[b]) for b in range(len(inputs.req_ids))

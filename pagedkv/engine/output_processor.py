@@ -21,6 +21,28 @@ from typing import Any
 from pagedkv.engine.sampling_params import SamplingParams
 
 
+def check_stop_strings(output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
+                       ) -> tuple[str, int] | None:
+    """The first stop string of ``stop`` (in list order) that occurs in ``output_text`` ending within its last
+    ``new_char_count`` characters (the text before them was searched already); ``(stop_string, offset)``
+    where ``offset`` is the length to cut the text to: the stop string's start, or its end with
+    ``include_in_output`` (``-1`` when that end is the end of the text: nothing to cut). ``None`` when no stop
+    string matches or nothing is new. Mirrors ``check_stop_strings`` (``vllm/v1/engine/detokenizer.py``)."""
+    if not new_char_count or not stop:
+        return None
+    for stop_str in stop:
+        start = max(0, len(output_text) - new_char_count - len(stop_str) + 1)
+        index = output_text.find(stop_str, start)
+        if index == -1:
+            continue
+        if include_in_output:
+            index += len(stop_str)
+            if index >= len(output_text):
+                return stop_str, -1
+        return stop_str, index
+    return None
+
+
 @dataclass
 class CompletionDelta:
     """What one step added to one completion: the new text and token ids; ``finish_reason`` once it ends."""
@@ -30,6 +52,7 @@ class CompletionDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
 
 
 @dataclass
@@ -65,17 +88,16 @@ class RequestState:
             return 0
         return max(len(s) for s in self.stop) - 1
 
-    def _check_stop_strings(self, new_from: int) -> bool:
-        """Cut ``text`` at the first stop string that ends after ``new_from``; True when one was found.
-        Mirrors ``check_stop_strings`` (``vllm/v1/engine/detokenizer.py``)."""
-        for s in self.stop:
-            start = max(0, new_from - len(s) + 1)
-            i = self.text.find(s, start)
-            if i >= 0:
-                self.text = self.text[: i + len(s)] if self.include_stop_str_in_output else self.text[:i]
-                self.finish_reason, self.stop_reason = "stop", s
-                return True
-        return False
+    def _check_stop_strings(self, new_char_count: int) -> bool:
+        """Cut ``text`` at a stop string among its last ``new_char_count`` characters; True when one was found."""
+        match = check_stop_strings(self.text, new_char_count, self.stop, self.include_stop_str_in_output)
+        if match is None:
+            return False
+        stop_str, offset = match
+        if offset != -1:
+            self.text = self.text[:offset]
+        self.finish_reason, self.stop_reason = "stop", stop_str
+        return True
 
     def add_tokens(self, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None,
                    now: float) -> CompletionDelta | None:
@@ -93,7 +115,7 @@ class RequestState:
         if self.tokenizer is not None and token_ids:
             before = len(self.text)
             self.text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
-            if not self._check_stop_strings(before) and finish_reason is not None:
+            if not self._check_stop_strings(len(self.text) - before) and finish_reason is not None:
                 self.finish_reason, self.stop_reason = finish_reason, stop_reason
         elif finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
@@ -105,4 +127,5 @@ class RequestState:
         self.sent = end
         if not delta_text and not token_ids and not self.finished:
             return None
-        return CompletionDelta(self.index, delta_text, list(token_ids), self.finish_reason, self.stop_reason)
+        return CompletionDelta(self.index, delta_text, list(token_ids), self.finish_reason, self.stop_reason,
+                               self.num_cached_tokens)

@@ -219,6 +219,9 @@ class OpenAIServing:
         if stop and self.tokenizer is None:
             raise ServingError("stop strings need a tokenizer; this model has none: use stop_token_ids",
                                HTTPStatus.BAD_REQUEST, "stop")
+        if request.cache_salt is not None and not request.cache_salt:  # vLLM's check_cache_salt_support
+            raise ServingError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                               HTTPStatus.BAD_REQUEST, "cache_salt")
         if any(not s for s in stop):
             raise ServingError("stop strings must not be empty", HTTPStatus.BAD_REQUEST, "stop")
         vocab = self.engine.llm.model.config.vocab_size
@@ -248,10 +251,6 @@ class OpenAIServing:
         if self.enable_prompt_tokens_details and cached is not None:
             usage.prompt_tokens_details = P.PromptTokenUsageInfo(cached_tokens=cached)
         return usage
-
-    def _cached_tokens(self, rid: str) -> int | None:
-        state = self.engine.request_state(rid) or self.engine.request_state(f"{rid}-0")
-        return state.num_cached_tokens if state is not None else None
 
 
 async def merge_async_iterators(*iterators: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
@@ -300,8 +299,11 @@ class CompletionRun:
         self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
         self.finish: list[str | None] = [None] * num_choices
         self.stop_reason: list[int | str | None] = [None] * num_choices
+        self.cached: int | None = None  # prompt tokens served from the prefix cache (the first prompt's)
 
     def add(self, i: int, d: CompletionDelta) -> None:
+        if i == 0 and self.cached is None:
+            self.cached = d.num_cached_tokens
         self.text[i] += d.text
         self.token_ids[i].extend(d.token_ids)
         if d.finish_reason is not None:
@@ -406,12 +408,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
 
             async def stream() -> AsyncIterator[str]:
                 run = CompletionRun(num_choices * len(prompts))
-                cached = None
                 async for p, d in merged:
                     i = p * num_choices + d.index
                     run.add(i, d)
-                    if cached is None:
-                        cached = serving._cached_tokens(f"{request_id}-0")
                     yield _sse(P.CompletionStreamResponse(
                         id=request_id, created=created, model=serving.model_name,
                         choices=[P.CompletionResponseStreamChoice(
@@ -421,15 +420,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                     yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=serving.model_name,
                                                           choices=[], usage=serving.usage(prompts,
                                                                                           run.completion_tokens,
-                                                                                          cached)))
+                                                                                          run.cached)))
 
             return StreamingResponse(_stream_with_error(stream()), media_type="text/event-stream")
 
         run = CompletionRun(num_choices * len(prompts))
-        cached_first: int | None = None
         async for p, d in merged:
-            if cached_first is None:
-                cached_first = serving._cached_tokens(f"{request_id}-0")
             run.add(p * num_choices + d.index, d)
         choices = [
             P.CompletionResponseChoice(index=i, text=run.text[i], finish_reason=run.finish[i],
@@ -438,7 +434,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
             for i in range(len(run.text))
         ]
         body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
-                                    usage=serving.usage(prompts, run.completion_tokens, cached_first))
+                                    usage=serving.usage(prompts, run.completion_tokens, run.cached))
         return JSONResponse(body.model_dump(exclude_none=False))
 
     @app.post("/v1/chat/completions")
@@ -460,11 +456,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                         id=request_id, created=created, model=serving.model_name,
                         choices=[P.ChatCompletionResponseStreamChoice(
                             index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
-                cached = None
                 async for _, d in merged:
                     run.add(d.index, d)
-                    if cached is None:
-                        cached = serving._cached_tokens(f"{request_id}-0")
                     yield _sse(P.ChatCompletionStreamResponse(
                         id=request_id, created=created, model=serving.model_name,
                         choices=[P.ChatCompletionResponseStreamChoice(
@@ -473,21 +466,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                 if include_usage:
                     yield _sse(P.ChatCompletionStreamResponse(
                         id=request_id, created=created, model=serving.model_name, choices=[],
-                        usage=serving.usage([prompt], run.completion_tokens, cached)))
+                        usage=serving.usage([prompt], run.completion_tokens, run.cached)))
 
             return StreamingResponse(_stream_with_error(stream()), media_type="text/event-stream")
 
         run = CompletionRun(request.n)
-        cached_first: int | None = None
         async for _, d in merged:
-            if cached_first is None:
-                cached_first = serving._cached_tokens(f"{request_id}-0")
             run.add(d.index, d)
         choices = [P.ChatCompletionResponseChoice(index=i, message=P.ChatMessageOut(content=run.text[i]),
                                                   finish_reason=run.finish[i], stop_reason=run.stop_reason[i])
                    for i in range(request.n)]
         body = P.ChatCompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
-                                        usage=serving.usage([prompt], run.completion_tokens, cached_first))
+                                        usage=serving.usage([prompt], run.completion_tokens, run.cached))
         return JSONResponse(body.model_dump())
 
     return app
@@ -500,19 +490,29 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
     """The engine the flags describe, and the model's name for the API."""
     from pagedkv.engine.llm import LLM
 
+    overrides = json.loads(args.hf_overrides) if args.hf_overrides else {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--hf-overrides must be a JSON object, got {args.hf_overrides!r}")
+    device = None
     if args.model == "tiny":
+        import torch
+
         from pagedkv.entrypoints.tiny import tiny_model, tiny_tokenizer
 
-        model: Any = tiny_model(args.seed)
+        model: Any = tiny_model(args.seed, **overrides)
         tokenizer = tiny_tokenizer(model.config.vocab_size)
+        device = "cuda" if torch.cuda.is_available() else None
+    elif overrides:
+        raise ValueError("--hf-overrides is supported with MODEL 'tiny' only")
     else:
         model, tokenizer = args.model, None
     llm = LLM(model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
               preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
-              enforce_eager=args.enforce_eager, tokenizer=tokenizer)
+              enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device)
     if args.kv_reservation == "contiguous":
         reserve_contiguous(llm)
     names = args.served_model_name or [args.model]
@@ -520,11 +520,11 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
 
 
 def reserve_contiguous(llm: Any) -> None:
-    """Switch a fresh engine to contiguous ``max_model_len`` reservation: the same pool and scheduler with
-    lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager` (first fit, ``ceil(max_model_len /
-    block_size)`` blocks per request, reserved at admission), so that paged and contiguous differ in the
-    allocation rule alone."""
-    from pagedkv.scheduler import Scheduler
+    """Switch a fresh engine to contiguous ``max_model_len`` reservation: the same pool and scheduler (its own
+    class, so an ``AsyncScheduler`` stays one) with lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager`
+    (first fit, ``ceil(max_model_len / block_size)`` blocks per request, reserved at admission), so that paged and
+    contiguous differ in the allocation rule alone. The engine core, where there is one, steps the new
+    scheduler."""
     from pagedkv.sim.baseline import ContiguousKVCacheManager
 
     old = llm.scheduler
@@ -532,8 +532,11 @@ def reserve_contiguous(llm: Any) -> None:
         raise ValueError("switch to contiguous reservation before any request is added")
     manager = ContiguousKVCacheManager(llm.num_gpu_blocks, llm.block_size, llm.max_model_len)
     llm.kv_cache_manager = manager
-    llm.scheduler = Scheduler(manager, old.max_num_seqs, old.max_num_batched_tokens,
+    llm.scheduler = type(old)(manager, old.max_num_running_reqs, old.max_num_batched_tokens,
                               preemption_mode=old.preemption_mode, num_cpu_blocks=old.cpu_block_pool.num_blocks)
+    core = getattr(llm, "engine_core", None)
+    if core is not None:
+        core.scheduler = llm.scheduler
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -553,7 +556,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     try:
         engine, names = build_engine(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, TypeError) as exc:
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 2
     app = build_app(engine, names, args.model, args.enable_prompt_tokens_details)

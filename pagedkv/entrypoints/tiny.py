@@ -48,13 +48,14 @@ def tiny_tokenizer(vocab_size: int = 512) -> Any:
     return fast
 
 
-def tiny_model(seed: int = 0, max_position_embeddings: int = TINY_MAX_MODEL_LEN) -> Any:
-    """Lesson 7's tiny Llama (``seeded_tiny_model``) with ``max_position_embeddings`` positions."""
+def tiny_model(seed: int = 0, max_position_embeddings: int = TINY_MAX_MODEL_LEN, **overrides: Any) -> Any:
+    """Lesson 7's tiny Llama (``seeded_tiny_model``) with ``max_position_embeddings`` positions and any other
+    config field in ``overrides`` (``--hf-overrides``: a larger random model for timing)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedkv.grading.lessons.l07_serving_engine import seeded_tiny_model
 
     def config(**kw: Any) -> LlamaConfig:
-        return LlamaConfig(**{**kw, "max_position_embeddings": max_position_embeddings})
+        return LlamaConfig(**{**kw, "max_position_embeddings": max_position_embeddings, **overrides})
 
     return seeded_tiny_model(config, LlamaForCausalLM, seed)

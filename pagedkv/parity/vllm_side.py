@@ -2,7 +2,7 @@
 :mod:`pagedkv.parity.workloads`. Imported only inside the worker process (:mod:`pagedkv.parity._worker`),
 where vLLM's unpacked sources are importable; nothing of vLLM's compiled code is loaded.
 
-Built as ``/work/shared/notes``-style facts say vLLM's core runs on a CPU: a ``KVCacheConfig`` with one
+Built as ``docs/vllm-core-on-cpu.md`` says vLLM's core runs on a CPU: a ``KVCacheConfig`` with one
 full-attention group; block hashes with ``sha256`` after ``init_none_hash``; the scheduler from real
 ``SchedulerConfig``/``CacheConfig``/``ParallelConfig``/``ObservabilityConfig``/``KVEventsConfig`` and a
 stand-in for ``ModelConfig`` (which would need vLLM's model registry) answering the attributes the

@@ -55,12 +55,15 @@ from pagedkv.utils import check_int
 
 __all__ = [
     "HYBRID_SHAPES",
+    "capacity_table",
     "HybridSizing",
     "get_kv_cache_config_from_groups",
     "get_kv_cache_groups",
     "get_kv_cache_spec",
     "get_max_concurrency_for_kv_cache_config",
     "hybrid_sizing",
+    "layer_to_group",
+    "make_kv_cache_config",
     "max_memory_usage_bytes_from_groups",
     "unify_kv_cache_spec_page_size",
 ]
@@ -244,13 +247,19 @@ def get_kv_cache_config_from_groups(groups: list[KVCacheGroupSpec], available_me
     group; ``num_blocks = available_memory // page_size // group_size``. Mirrors
     ``get_kv_cache_config_from_groups`` (its general case) and ``get_num_blocks``."""
     group_size = max(len(g.layer_names) for g in groups)
+    num_blocks = max(0, int(available_memory // _uniform_page_size(groups) // group_size))
+    return _config_with_tensors(groups, max(num_blocks, 1))
+
+
+def _config_with_tensors(groups: list[KVCacheGroupSpec], num_blocks: int) -> KVCacheConfig:
+    """``num_blocks`` blocks, and ``group_size`` tensors, tensor ``i`` shared by layer ``i`` of every group."""
     page_size = _uniform_page_size(groups)
-    num_blocks = max(0, int(available_memory // page_size // group_size))
+    group_size = max(len(g.layer_names) for g in groups)
     tensors = [
         KVCacheTensor(page_size * num_blocks, [g.layer_names[i] for g in groups if i < len(g.layer_names)])
         for i in range(group_size)
     ]
-    return KVCacheConfig(max(num_blocks, 1), tensors, groups)
+    return KVCacheConfig(num_blocks, tensors, groups)
 
 
 def max_memory_usage_bytes_from_groups(
@@ -355,6 +364,66 @@ def hybrid_sizing(
         num_tokens=num_tokens,
         log_lines=lines,
     )
+
+
+def capacity_table(
+    available_memory: int,
+    max_model_lens: tuple[int, ...] = (4096, 32768, 131072),
+    shapes: dict[str, dict[str, Any]] | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """For each model of ``shapes`` (default :data:`HYBRID_SHAPES`) and each context length it supports: the
+    KV cache groups, the blocks, the concurrency vLLM 0.26 logs, the same with every layer full attention, and
+    the gain (how many times more sequences fit). ``kwargs`` go to :func:`hybrid_sizing` (block size,
+    batching). A length whose single request does not fit is left out."""
+    rows = []
+    for name, cfg in (HYBRID_SHAPES if shapes is None else shapes).items():
+        for m in max_model_lens:
+            if m > cfg.get("max_position_embeddings", m):
+                continue
+            try:
+                h = hybrid_sizing(cfg, available_memory, max_model_len=m, **kwargs)
+                f = hybrid_sizing(cfg, available_memory, max_model_len=m, every_layer_full=True, **kwargs)
+            except ValueError:
+                continue
+            rows.append({
+                "model": name,
+                "max_model_len": m,
+                "groups": len(h.kv_cache_config.kv_cache_groups),
+                "group_size": h.group_size,
+                "num_blocks": h.num_blocks,
+                "concurrency": h.max_concurrency,
+                "concurrency_all_full": f.max_concurrency,
+                "gain": h.max_concurrency / f.max_concurrency,
+                "log_lines": h.log_lines,
+            })  # fmt: skip
+    return rows
+
+
+def make_kv_cache_config(
+    config: Any,
+    num_blocks: int,
+    *,
+    block_size: int = 16,
+    kv_cache_dtype: str | torch.dtype = "auto",
+    disable_hybrid_kv_cache_manager: bool = False,
+) -> KVCacheConfig:
+    """A ``KVCacheConfig`` of ``num_blocks`` blocks for a transformers ``config``, grouped as vLLM 0.26 groups
+    it (``get_kv_cache_spec`` then ``get_kv_cache_groups``): what an engine gives ``KVCacheManager(kv_cache_config,
+    max_model_len=...)`` when it chose ``num_blocks`` itself (vLLM's ``num_gpu_blocks_override``). Layer ``i``
+    is named ``model.layers.{i}.self_attn.attn``; :func:`layer_to_group` says which group holds it. One group
+    for a model of one attention type. Different page sizes are unified by scaling block sizes, which the
+    lab's manager refuses (``ValueError``): give such a model one head size, or
+    ``disable_hybrid_kv_cache_manager``."""
+    grouping = get_kv_cache_groups(
+        get_kv_cache_spec(config, block_size, kv_cache_dtype), disable_hybrid_kv_cache_manager
+    )
+    return _config_with_tensors(grouping.groups, check_int(num_blocks, "num_blocks", 1))
+
+
+def layer_to_group(kv_cache_config: KVCacheConfig) -> dict[str, int]:
+    """Layer name → the index of its KV cache group (the block table its attention reads)."""
+    return {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
 
 
 def describe_groups(groups: list[KVCacheGroupSpec]) -> list[str]:
