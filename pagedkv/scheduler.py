@@ -440,6 +440,7 @@ class Scheduler:
         # Advance AFTER the output is built: the output carries where each chunk starts.
         for rid, n in state.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
+            self.requests[rid].num_in_flight_tokens += n  # until its output is taken (update_from_output)
         self.finished_req_ids = set()
         self._unconsumed_steps.add(self.step)
         self._record(
@@ -646,8 +647,12 @@ class Scheduler:
             to_apply.append((request, token))
 
         # Validated: now change things.
-        if step is not None:
+        if step is not None:  # an output of schedule() (not built by hand): its tokens are processed now
             self._unconsumed_steps.discard(step)
+            for rid, n in scheduled.items():
+                request = self.requests.get(rid)
+                if request is not None:
+                    request.num_in_flight_tokens -= n  # as vLLM's Scheduler.update_from_output
         new_tokens: dict[str, list[int]] = {}
         for request, token in to_apply:
             request.append_output_token_ids(token)
