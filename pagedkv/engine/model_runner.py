@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.block_table import make_block_table_tensor
 from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
+from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
 
 
@@ -92,6 +94,48 @@ def prepare_inputs(
     return inputs
 
 
+def _layer_index(layer_name: str) -> int:
+    """``model.layers.{i}.self_attn.attn`` -> ``i`` (the names ``pagedkv.sizing.hybrid.get_kv_cache_spec`` gives)."""
+    parts = layer_name.split(".")
+    if len(parts) < 3 or parts[1] != "layers" or not parts[2].isdigit():
+        raise ValueError(f"a KV cache layer name like 'model.layers.3.self_attn.attn', got {layer_name!r}")
+    return int(parts[2])
+
+
+def layer_groups_and_tensors(kv_cache_config: KVCacheConfig | None, num_layers: int) -> tuple[list[int], list[int]]:
+    """For each decoder layer, its KV cache group and the index of the K/V tensor pair it reads and writes.
+    Without a config: one group, a pair per layer. With one: the group that names the layer, and the
+    ``KVCacheTensor`` shared by it (one layer of every group shares each tensor, vLLM's
+    ``get_kv_cache_config_from_groups``). ``ValueError`` unless every layer is in exactly one group and one
+    tensor."""
+    if kv_cache_config is None:
+        return [0] * num_layers, list(range(num_layers))
+    groups: list[int | None] = [None] * num_layers
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        for name in group.layer_names:
+            i = _layer_index(name)
+            if not 0 <= i < num_layers or groups[i] is not None:
+                raise ValueError(f"layer {name!r}: outside the model's {num_layers} layers, or in two groups")
+            groups[i] = g
+    tensors: list[int | None] = [None] * num_layers
+    for t, tensor in enumerate(kv_cache_config.kv_cache_tensors):
+        for name in tensor.shared_by:
+            tensors[_layer_index(name)] = t
+    if None in groups or None in tensors:
+        missing = [i for i in range(num_layers) if groups[i] is None or tensors[i] is None]
+        raise ValueError(f"layers {missing} are in no KV cache group or tensor of the config")
+    return groups, tensors  # type: ignore[return-value]
+
+
+def group_windows(kv_cache_config: KVCacheConfig | None) -> list[int | None]:
+    """Each KV cache group's sliding window when its blocks are released outside it (a ``SlidingWindowSpec``),
+    else ``None`` (full attention: every block kept). One ``None`` without a config."""
+    if kv_cache_config is None:
+        return [None]
+    return [g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None
+            for g in kv_cache_config.kv_cache_groups]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CUDA graphs: batch-size buckets
 # ---------------------------------------------------------------------------------------------------------
@@ -113,13 +157,6 @@ def bucket_for(batch_size: int, capture_sizes: Sequence[int]) -> int | None:
         if size >= batch_size:
             return size
     return None
-
-
-def padded_block_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The requests' block tables as one ``[B, W]`` int32 tensor, ``W`` the longest, shorter rows padded with the
-    null block 0 (read by nobody: entries past a request's ``seq_len`` are never read)."""
-    width = max(len(t) for t in block_tables)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
 
 
 class GraphInputBuffers:
@@ -149,7 +186,7 @@ class GraphInputBuffers:
             raise ValueError("a decode graph takes a decode-only step (one token per request)")
         if not b <= size <= self.input_ids.shape[0]:
             raise ValueError(f"cannot run {b} requests in a graph of {size} (buffers for {self.input_ids.shape[0]})")
-        tables = padded_block_tables(inputs.block_tables)  # [B, W]
+        tables = make_block_table_tensor(inputs.block_tables)  # [B, W]
         width = tables.shape[1]
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a block table of {width} blocks; the graphs hold {self.block_tables.shape[1]}")
@@ -277,7 +314,12 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         use_cuda_graph: bool = False,
         max_num_seqs: int = 256,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        """``kv_cache_config`` (lesson 8): the KV cache groups of a hybrid or sliding-window model; the runner then
+        allocates one K and one V tensor per ``KVCacheTensor`` (shared by one layer of every group: a block id
+        names the same page in each) and gives each group's layers that group's block tables. ``None``: one
+        group, every layer its own tensors, every block kept (lessons 2-7)."""
         config = model.config
         self.model = model
         self.device = next(model.parameters()).device
@@ -289,12 +331,24 @@ class ModelRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_blocks_per_req = -(-max_model_len // block_size)
         shape = (num_gpu_blocks, block_size, self.num_kv_heads, self.head_dim)
-        # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
-        self.kv_caches = [
+        self.kv_cache_config = kv_cache_config
+        for group in kv_cache_config.kv_cache_groups if kv_cache_config is not None else ():
+            spec = group.kv_cache_spec  # the lab allocates one shape for every group's pages
+            if (spec.block_size, spec.num_kv_heads, spec.head_size) != shape[1:]:
+                raise ValueError(f"KV cache group {group.layer_names[:2]}...: block_size {spec.block_size}, "
+                                 f"{spec.num_kv_heads} KV heads of {spec.head_size}; the runner holds {shape[1:]}")
+        # layer_groups[layer]: the layer's KV cache group; tensor_of[layer]: which K/V tensor pair it uses
+        self.layer_groups, tensor_of = layer_groups_and_tensors(kv_cache_config, self.num_layers)
+        tensors = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.num_layers)
+            for _ in range(max(tensor_of) + 1)
         ]
+        # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, Hkv, D] (with groups, layers
+        # of different groups share one pair: the same objects)
+        self.kv_caches = [tensors[tensor_of[layer]] for layer in range(self.num_layers)]
+        self._tensor_layers = sorted({tensor_of.index(t) for t in tensor_of})  # one layer per distinct pair
+        self.group_windows = group_windows(kv_cache_config)
         cpu_shape = (num_cpu_blocks, block_size, self.num_kv_heads, self.head_dim)
         pin = self.device.type == "cuda"
         self.cpu_kv_caches = [
@@ -304,6 +358,11 @@ class ModelRunner:
         ] if num_cpu_blocks else []
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
+        if use_cuda_graph and len(self.group_windows) > 1:
+            # the graphs' buffers hold one block table per request; several groups need one each (not built)
+            warnings.warn("CUDA graphs are captured for one KV cache group; this model has "
+                          f"{len(self.group_windows)}: decode runs eagerly", stacklevel=2)
+            use_cuda_graph = False
         if use_cuda_graph:
             try:
                 graph_runner = CUDAGraphRunner(self.model, self.kv_caches, block_size, self.max_blocks_per_req,
@@ -319,8 +378,8 @@ class ModelRunner:
         self.last_inputs: ModelInputs | None = None  # the latest step's flattened inputs (for lessons)
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of the GPU-side KV cache (all layers, K and V)."""
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        """Bytes of the GPU-side KV cache (all layers, K and V; a tensor shared by several layers counted once)."""
+        return sum(self.kv_caches[i][0].numel() * self.kv_caches[i][0].element_size() * 2 for i in self._tensor_layers)
 
     def execute_block_moves(self, scheduler_output: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, on every layer's K and V (in that order: a block freed by a
@@ -338,23 +397,31 @@ class ModelRunner:
                 raise ValueError("the step swaps blocks but the runner has no CPU blocks (num_cpu_blocks=0)")
             src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
             dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
-            for layer in range(self.num_layers):
+            for layer in self._tensor_layers:  # every distinct tensor once (groups share them)
                 for which in (0, 1):
                     src = (self.kv_caches if src_gpu else self.cpu_kv_caches)[layer][which]
                     dst = (self.kv_caches if dst_gpu else self.cpu_kv_caches)[layer][which]
                     dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)
 
-    def build_metadata(self, inputs: ModelInputs) -> AttentionMetadata:
-        """The step's :class:`AttentionMetadata` on the runner's device. Mirrors
-        ``FlashAttentionMetadataBuilder.build``."""
+    def build_metadata(self, inputs: ModelInputs, group: int = 0,
+                       scheduler_output: SchedulerOutput | None = None) -> AttentionMetadata:
+        """The step's :class:`AttentionMetadata` for KV cache group ``group`` on the runner's device: the
+        group's block tables and slot mapping (``scheduler_output``'s, for a group other than the one
+        ``inputs`` holds), the step's lengths. Mirrors ``FlashAttentionMetadataBuilder.build``, which vLLM
+        calls once per group with that group's ``CommonAttentionMetadata``."""
         dev = self.device
-        tables = padded_block_tables(inputs.block_tables)  # [B, W]
+        block_tables, slot_mapping = inputs.block_tables, inputs.slot_mapping
+        if scheduler_output is not None and len(self.group_windows) > 1:
+            block_tables = [scheduler_output.tables_per_group(r)[group] for r in inputs.req_ids]
+            slot_mapping = [s for r in inputs.req_ids for s in scheduler_output.slots_per_group(r)[group]]
+        window = self.group_windows[group]
+        tables = make_block_table_tensor(block_tables)  # [B, W]
         qsl = inputs.query_start_loc
         decodes = [b for b in range(len(inputs.req_ids)) if qsl[b + 1] - qsl[b] == 1]
         prefills = [(b, qsl[b], qsl[b + 1], inputs.seq_lens[b]) for b in range(len(inputs.req_ids))
                     if qsl[b + 1] - qsl[b] > 1]
         return AttentionMetadata(
-            slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
             seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
@@ -365,9 +432,21 @@ class ModelRunner:
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
             decode_groups=None if self.backend == "triton" or not decodes else [
-                g.to(dev) for g in make_decode_groups(decodes, inputs.seq_lens, tables, qsl, self.block_size)
+                g.to(dev) for g in make_decode_groups(decodes, inputs.seq_lens, tables, qsl, self.block_size,
+                                                      sliding_window=window)
             ],
+            sliding_window=window,
         )
+
+    def build_layer_metadata(self, inputs: ModelInputs,
+                             scheduler_output: SchedulerOutput) -> AttentionMetadata | dict[int, AttentionMetadata]:
+        """What the step passes to attention: one :class:`AttentionMetadata`, or with several KV cache groups a
+        dict from layer index to its group's (the layers of a group share one object). Mirrors
+        ``GPUModelRunner._build_attention_metadata``, which returns a dict from layer name to metadata."""
+        if len(self.group_windows) == 1:
+            return self.build_metadata(inputs)
+        per_group = [self.build_metadata(inputs, g, scheduler_output) for g in range(len(self.group_windows))]
+        return {layer: per_group[g] for layer, g in enumerate(self.layer_groups)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on the sampled positions, ``hidden [S, H]`` -> ``[S, V]``, written into one buffer kept
@@ -382,6 +461,9 @@ class ModelRunner:
         out = torch.mm(hidden, head.weight.t(), out=self._logits[:s])  # [S, V]
         if getattr(head, "bias", None) is not None:
             out += head.bias
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap is not None:  # Gemma's cap * tanh(logits / cap): LogitsProcessor(soft_cap=...) in vLLM's gemma3.py
+            out.div_(cap).tanh_().mul_(cap)
         return out
 
     @torch.no_grad()
@@ -400,7 +482,7 @@ class ModelRunner:
         self.last_inputs = inputs
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
             return inputs.sample_req_ids, self.graph_runner.run(inputs)
-        meta = self.build_metadata(inputs)
+        meta = self.build_layer_metadata(inputs, scheduler_output)
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
         keep = torch.tensor(inputs.logits_indices, dtype=torch.long, device=self.device)  # [S]

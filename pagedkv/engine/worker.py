@@ -103,6 +103,10 @@ class Worker:
                                     use_cuda_graph=False, max_num_seqs=max_num_seqs)
         return tuple(self.runner.kv_caches[0][0].shape)
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache (all layers, K and V)."""
+        return int(self.runner.kv_cache_bytes())
+
     def kv_cache_shape(self) -> tuple[int, ...]:
         """One layer's key-cache shape on this rank."""
         return tuple(self.runner.kv_caches[0][0].shape)

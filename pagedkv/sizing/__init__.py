@@ -47,9 +47,9 @@ Everything public is re-exported here, so ``from pagedkv.sizing import profile``
 
 from pagedkv.sizing.gpu_worker import (
     CPU_TOTAL_MEMORY,
-    DEFAULT_CUDAGRAPH_BATCH_SIZES,
     MemoryProfile,
     analytic_profile,
+    default_cudagraph_batch_sizes,
     profile,
 )
 from pagedkv.sizing.hybrid import HYBRID_SHAPES, HybridSizing, hybrid_sizing
@@ -68,7 +68,6 @@ from pagedkv.sizing.model import ModelShape, estimate_peak_activation, model_sha
 
 __all__ = [
     "CPU_TOTAL_MEMORY",
-    "DEFAULT_CUDAGRAPH_BATCH_SIZES",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "GiB",
     "HYBRID_SHAPES",
@@ -80,6 +79,7 @@ __all__ = [
     "ModelShape",
     "analytic_profile",
     "check_enough_kv_cache_memory",
+    "default_cudagraph_batch_sizes",
     "estimate_peak_activation",
     "format_gib",
     "hybrid_sizing",

@@ -30,9 +30,9 @@ from pagedkv.utils import check_int
 
 __all__ = [
     "CPU_TOTAL_MEMORY",
-    "DEFAULT_CUDAGRAPH_BATCH_SIZES",
     "MemoryProfile",
     "analytic_profile",
+    "default_cudagraph_batch_sizes",
     "profile",
 ]
 
@@ -348,10 +348,13 @@ def _capture_decode_graphs(decoder, sizes, pool, samples: list[int], graphs: lis
             graphs.append(graph)
 
 
-#: The decode batch sizes a CUDA-graph estimate captures by default: vLLM 0.26's default
-#: ``cudagraph_capture_sizes`` for ``max_num_seqs=256`` (``vllm/config/vllm.py``, ``VllmConfig._set_cudagraph_sizes``):
-#: 1, 2, 4, multiples of 8 below 256, then multiples of 16 up to ``min(2 * max_num_seqs, 512)``.
-DEFAULT_CUDAGRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+def default_cudagraph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes the engine captures for ``max_num_seqs`` (``pagedkv.engine.model_runner.
+    cudagraph_capture_sizes``, the one list of them; vLLM 0.26's ``VllmConfig._set_cudagraph_sizes``): what the
+    CUDA-graph estimate captures unless told otherwise. Imported when needed, so sizing loads no engine."""
+    from pagedkv.engine.model_runner import cudagraph_capture_sizes
+
+    return tuple(cudagraph_capture_sizes(max_num_seqs))
 
 
 def profile(
@@ -366,7 +369,7 @@ def profile(
     max_model_len: int | None = None,
     max_num_seqs: int = 256,
     cuda_graphs: bool = False,
-    cudagraph_batch_sizes: tuple[int, ...] = DEFAULT_CUDAGRAPH_BATCH_SIZES,
+    cudagraph_batch_sizes: tuple[int, ...] | None = None,
     dummy_run: Callable[[int], None] | None = None,
     cudagraph_memory: Callable[[], int] | None = None,
 ) -> MemoryProfile:
@@ -377,11 +380,11 @@ def profile(
     tokens (``dummy_run(num_tokens)`` when the engine gives one, else one forward of the transformers model
     with logits for ``min(max_num_seqs, tokens)`` rows), the torch peak taken before any CUDA-graph capture;
     with ``cuda_graphs`` the graph pool is measured by capturing decode graphs of ``cudagraph_batch_sizes``
-    (or by ``cudagraph_memory()``, an engine's own capture returning bytes, vLLM's
-    ``GPUModelRunner.profile_cudagraph_memory``); ``total_memory`` defaults to
-    ``mem_get_info``'s total. The lab profiles a model that is already loaded, so its baseline is the moment
-    profiling starts (vLLM's is the worker's start, before loading) and the weights are the bytes of the
-    parameters and buffers.
+    (default: the engine's, :func:`default_cudagraph_batch_sizes` of ``max_num_seqs``), or by
+    ``cudagraph_memory()`` (an engine's own capture returning bytes, vLLM's
+    ``GPUModelRunner.profile_cudagraph_memory``); ``total_memory`` defaults to ``mem_get_info``'s total. The
+    lab profiles a model that is already loaded, so its baseline is the moment profiling starts (vLLM's is the
+    worker's start, before loading) and the weights are the bytes of the parameters and buffers.
 
     On a CPU: the same breakdown computed (:func:`analytic_profile`): weights counted from the model's
     tensors, activations estimated, no non-torch or CUDA-graph memory, against ``total_memory`` (default
@@ -396,6 +399,8 @@ def profile(
     max_num_batched_tokens = check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
     max_num_seqs = check_int(max_num_seqs, "max_num_seqs", 1)
     if cuda_graphs and cudagraph_memory is None:
+        if cudagraph_batch_sizes is None:
+            cudagraph_batch_sizes = default_cudagraph_batch_sizes(max_num_seqs)
         _check_batch_sizes(tuple(cudagraph_batch_sizes))
     if total_memory is not None:
         total_memory = _memory_figure(total_memory, "total_memory")
@@ -461,7 +466,7 @@ def _profile_cuda(
     max_model_len: int | None,
     max_num_seqs: int,
     cuda_graphs: bool,
-    cudagraph_batch_sizes: tuple[int, ...],
+    cudagraph_batch_sizes: tuple[int, ...] | None,
     dummy_run: Callable[[int], None] | None,
     cudagraph_memory: Callable[[], int] | None,
     weights: int,
