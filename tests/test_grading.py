@@ -533,18 +533,18 @@ def test_infinite_loop_in_a_cell_is_interrupted_named_and_the_rest_graded(graded
     answer = _cell_number(graded["variants"]["loop_in_cell"], LOOPING_CELL)
     # the notebook's row names every interrupted cell as JupyterLab shows it: its heading and first line
     assert (f'the cell under "Exercises, lesson 1: fragmentation" that starts `while True:` (cell {free}) was '
-            "interrupted after 5 s (an infinite loop?)") in nb["message"], nb["message"]
+            "interrupted after 20 s (an infinite loop?)") in nb["message"], nb["message"]
     assert (f'the cell under "4. `waste_percent(lens, block_size)`: internal fragmentation under paging" that starts '
-            f"`while True:` (cell {answer}) was interrupted after 5 s") in nb["message"], nb["message"]
+            f"`while True:` (cell {answer}) was interrupted after 20 s") in nb["message"], nb["message"]
     # the answer cell that looped before its def: its exercise says so, instead of "run the cell"
     ex = _exercise(nb, "waste_percent")
     assert ex["score"] == 0
-    assert ex["message"].endswith(f"(cell {answer}) was interrupted after 5 s (an infinite loop?)"), ex["message"]
+    assert ex["message"].endswith(f"(cell {answer}) was interrupted after 20 s (an infinite loop?)"), ex["message"]
     assert "waste_percent is not defined: the cell defining waste_percent under" in ex["message"]
     # the rest is graded
     assert all(e["status"] == "passed" for e in nb["exercises"] if e["name"] != "waste_percent")
     assert nb["score"] == nb["possible"] - ex["possible"]
-    assert "was interrupted after 5 s" in graded["quick"]["stdout"]
+    assert "was interrupted after 20 s" in graded["quick"]["stdout"]
 
 
 @pytest.mark.slow
@@ -662,7 +662,7 @@ def test_each_misbehaving_function_fails_alone_with_what_happened(graded):
 def test_slow_but_correct_function_fails_alone_saying_how_slow(graded):
     nb = _variant(graded, "slow")
     ex = _exercise(nb, "waste_percent")
-    assert ex["score"] == 0
+    assert ex["score"] < ex["possible"]  # the public case's 11 calls fit the budget; the hidden case's do not
     m = re.search(r"too slow: this test case's calls of your code used ([\d.]+) s of CPU time \(and waited [\d.]+ s in "
                   r"all\), past the limit of 10 s of CPU time for one test case \((\d+) calls? of your functions, "
                   r"([\d.]+) (m?s) per call on average, the slowest ([\d.]+) s\)", ex["message"])

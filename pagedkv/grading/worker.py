@@ -369,12 +369,6 @@ class Grader:
         return passed, message
 
 
-def _cpu_clock() -> float:
-    """The checks' per-call clock while grading: this process's CPU time plus the current sandbox's."""
-    sandbox = _CURRENT.get("sandbox")
-    return time.process_time() + (sandbox.cpu_seconds() if sandbox is not None else 0.0)
-
-
 def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: bool = False) -> dict:
     try:
         cells = notebook_cells(notebook)
@@ -383,9 +377,6 @@ def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: 
     except OSError as exc:
         return {"ok": False, "error": f"cannot read the notebook: {exc.strerror}"}
     questions = load_tests(autograder)
-    from pagedkv.grading import checks
-
-    checks.cpu_clock = _cpu_clock
     grader = Grader(cells, limits, notebook=notebook, require_sandbox=require_sandbox)
     results = [grader.grade_question(q) for q in questions]
     return {"ok": True, "questions": results, "cells": [grader.reports[k] for k in sorted(grader.reports)]}
