@@ -28,6 +28,7 @@ import contextlib
 import json
 import math
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -398,6 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def _model_info(base_url: str) -> tuple[str, int]:
     import httpx
 
@@ -407,6 +417,7 @@ def _model_info(base_url: str) -> tuple[str, int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rates = [float(r) for r in args.rates]
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
 
@@ -435,7 +446,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     report = {
         "benchmark": "serve", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(), "cpu": cpu_model(), "cpu_count": os.cpu_count(), "loadavg_after": load,
+        "commit": git_commit(), "cpu": cpu_model(), "cpu_count": os.cpu_count(), "loadavg_before": load_before,
+        "loadavg_after": load, "python": platform.python_version(), "torch": _version("torch"),
+        "transformers": _version("transformers"),
         "note": args.note, "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
         "servers": meta, "runs": runs,
     }
