@@ -16,6 +16,9 @@ Drivers (:mod:`pagedkv.parity.workloads`):
 - ``scheduler`` (lesson 4): FCFS, recompute preemption, chunked prefill, prefix caching, vLLM 0.26's
   full-sequence admission gate on (the lab's default); scheduled tokens, preemptions, block tables and kept
   outputs after every step.
+- ``async_scheduler`` (lesson 7): the same workloads through the ``AsyncScheduler``, called in the order vLLM
+  0.26's ``EngineCore.step_with_batch_queue`` calls it (schedule N+1, then update N): scheduled tokens, output
+  placeholders, preemptions, block tables, and which samples are kept after every call.
 
 ``impl`` may be a ``BlockPool``-, ``KVCacheManager``- or ``Scheduler``-compatible class (yours), run on the
 lab's side in place of the library's.
@@ -24,7 +27,7 @@ lab's side in place of the library's.
     >>> print(parity.check(3, seeds=20))          # doctest: +SKIP
     The library agrees with vLLM 0.26 on 20 random workloads: block pool + KV cache manager ...
 
-Command line: ``python -m pagedkv.parity [--lesson 2|3|4] [--seeds N]``.
+Command line: ``python -m pagedkv.parity [--lesson 2|3|4|7] [--seeds N]``.
 """
 
 from __future__ import annotations
@@ -52,10 +55,11 @@ def available() -> tuple[bool, str]:
 def check(lesson: int, seeds: int = 20, impl: Any = None) -> ParityReport:
     """Drive vLLM 0.26 and the lab (or ``impl``, your class) through ``seeds`` random workloads of
     ``lesson``'s driver (2: block pool and manager, prefix caching off; 3: with prefix caching; 4: the
-    scheduler) and report: ``print(report)`` says "agrees with vLLM 0.26 on N random workloads" or shows the
-    first diverging step with both sides' block tables; ``report.ok`` is the verdict. When vLLM's sources
-    cannot be fetched (offline, unsupported platform) the report says why (``report.skipped``) instead of
-    raising. ``ValueError`` for a lesson other than 2, 3, 4 or a seed count below 1."""
+    scheduler; 7: the async scheduler, two batches in flight) and report: ``print(report)`` says "agrees
+    with vLLM 0.26 on N random workloads" or shows the first diverging step with both sides' block tables;
+    ``report.ok`` is the verdict. When vLLM's sources cannot be fetched (offline, unsupported platform) the
+    report says why (``report.skipped``) instead of raising. ``ValueError`` for a lesson other than 2, 3, 4,
+    7 or a seed count below 1."""
     from pagedkv.parity.runner import LESSON_DRIVERS, run
 
     if isinstance(lesson, bool) or lesson not in LESSON_DRIVERS:

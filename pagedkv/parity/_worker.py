@@ -39,6 +39,10 @@ def main(job_path: str, result_path: str) -> int:
                 if name == "manager":
                     cfg = workloads.manager_config(seed, spec["enable_caching"])
                     traces[str(seed)] = workloads.run_manager(vllm_side.VllmManagerSide(cfg), seed, cfg)
+                elif name == "async_scheduler":
+                    cfg = workloads.scheduler_config(seed)
+                    side = vllm_side.VllmAsyncSchedulerSide(cfg)
+                    traces[str(seed)] = workloads.run_async_scheduler(side, seed, cfg)
                 else:
                     cfg = workloads.scheduler_config(seed)
                     traces[str(seed)] = workloads.run_scheduler(vllm_side.VllmSchedulerSide(cfg), seed, cfg)

@@ -23,6 +23,7 @@ LESSON_DRIVERS: dict[int, list[tuple[str, bool | None]]] = {
     2: [("manager", False)],
     3: [("manager", True)],
     4: [("scheduler", None)],
+    7: [("async_scheduler", None)],
 }
 WORKER_TIMEOUT_S = 1200.0
 
@@ -106,19 +107,22 @@ def compare(
 
 
 def _lab_trace(name: str, seed: int, enable_caching: bool | None, impl: Any) -> tuple[dict[str, Any], list]:
-    from pagedkv.parity.lab_side import LabManagerSide, LabSchedulerSide
+    from pagedkv.parity.lab_side import LabAsyncSchedulerSide, LabManagerSide, LabSchedulerSide
 
     cfg: workloads.ManagerConfig | workloads.SchedulerConfig
     if name == "manager":
         cfg = workloads.manager_config(seed, bool(enable_caching))
     else:
         cfg = workloads.scheduler_config(seed)
+    side_cls = {"manager": LabManagerSide, "scheduler": LabSchedulerSide, "async_scheduler": LabAsyncSchedulerSide}
     try:
-        side = LabManagerSide(cfg, impl) if name == "manager" else LabSchedulerSide(cfg, impl)  # type: ignore[arg-type]
+        side = side_cls[name](cfg, impl)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - a learner's constructor failing is a divergence at entry 0
         return workloads.config_dict(cfg), [{"op": {"op": "create"}, "obs": workloads.error_obs(exc)}]
     if name == "manager":
         return workloads.config_dict(cfg), workloads.run_manager(side, seed, cfg)  # type: ignore[arg-type]
+    if name == "async_scheduler":
+        return workloads.config_dict(cfg), workloads.run_async_scheduler(side, seed, cfg)  # type: ignore[arg-type]
     return workloads.config_dict(cfg), workloads.run_scheduler(side, seed, cfg)  # type: ignore[arg-type]
 
 
@@ -126,6 +130,8 @@ def who(impl: Any, lessons: list[int]) -> str:
     if impl is not None:
         target = getattr(impl, "func", impl)  # a functools.partial names its function
         return f"Your {getattr(target, '__name__', type(target).__name__)}"
+    if lessons == [7]:
+        return "The library's AsyncScheduler"
     return "The library's Scheduler" if lessons == [4] else "The library"
 
 
