@@ -1,6 +1,6 @@
 """Triton kernels for the paged KV cache, imported as ``pagedkv.kernels`` (never as a top-level ``kernels``).
 
-Public API (see LAB_DESIGN.md):
+Public API (see docs/design.md):
 
     paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale=None, ...)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)

@@ -247,14 +247,19 @@ def resolve_kv_scale(name: str, value: float, cache_dtype: torch.dtype) -> float
 
 
 def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Return ``out`` (checked to match ``like`` in shape, dtype, device) or a fresh tensor like ``like``."""
+    """Return ``out`` (checked to match ``like`` in shape, dtype, device, packed along head_dim, no element
+    aliasing another) or a fresh packed tensor of ``like``'s shape. Fresh means ``torch.empty(shape)``, never
+    ``empty_like``: that keeps ``like``'s strides, and a query strided along head_dim would give an ``out``
+    the kernels write as if it were packed."""
     if out is None:
-        return torch.empty_like(like)
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
     if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
         raise ValueError(
             f"out must be {tuple(like.shape)} {like.dtype} on {like.device}; "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
-    if out.stride(-1) != 1:
-        raise ValueError("out must be contiguous along head_dim")
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous along head_dim (stride(-1) == 1); got strides {out.stride()}")
+    if any(s == 0 and n > 1 for s, n in zip(out.stride(), out.shape, strict=True)):
+        raise ValueError(f"out has a stride of 0 (an expanded view, elements aliasing each other): {out.stride()}")
     return out

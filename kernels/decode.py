@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagedkv.utils import check_int
+
 from ._common import (
     check_block_tables,
     check_fp8_supported,
@@ -181,9 +183,8 @@ def paged_attention_decode(
     """
     if version is not None and version not in DECODE_VERSIONS:
         raise ValueError(f"version must be one of {DECODE_VERSIONS} or None; got {version!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= 4 * MAX_SPLITS):
-        raise ValueError(f"num_splits must be an int in 1..{4 * MAX_SPLITS}; got {num_splits!r}")
+    if num_splits is not None:
+        check_int(num_splits, "num_splits", 1, 4 * MAX_SPLITS)
     if num_splits is not None and version not in (None, 4):
         raise ValueError(f"num_splits applies to version 4 (split-K) only; got version={version}")
     key = (_signature(query), _signature(key_cache), _signature(value_cache), _signature(block_tables),

@@ -4,7 +4,15 @@ The names mirror vLLM V1 (``vllm/v1/core/``) so that every class here maps onto 
 """
 
 from pagedkv.block_pool import BlockPool
-from pagedkv.kv_cache_manager import KVCacheManager, UnknownRequestError
+from pagedkv.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from pagedkv.kv_cache_manager import KVCacheBlocks, KVCacheManager, UnknownRequestError
 from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 from pagedkv.request import Request, RequestStatus
 from pagedkv.trace import EventTrace, TraceEvent
@@ -28,12 +36,19 @@ __all__ = [
     "BlockPool",
     "EventTrace",
     "FreeKVCacheBlockQueue",
+    "FullAttentionSpec",
     "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
     "KVCacheManager",
+    "KVCacheSpec",
+    "KVCacheTensor",
     "Request",
     "RequestStatus",
     "Scheduler",
     "SchedulerOutput",
+    "SlidingWindowSpec",
     "TraceEvent",
     "UnknownRequestError",
 ]

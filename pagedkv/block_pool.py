@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from pagedkv.kv_cache_utils import (
     BlockHash,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     builtin_hash,
+    make_block_hash_with_group_id,
     short_hash,
     update_block_hashes,
 )
+from pagedkv.utils import check_int
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
@@ -34,8 +36,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}")
+        num_blocks = check_int(num_blocks, "num_blocks", 1, why="block 0 is the null block")
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -57,10 +58,35 @@ class BlockPool:
         return self.num_gpu_blocks
 
     # --- prefix cache lookups -----------------------------------------------------------------------
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    @overload
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None: ...
+
+    @overload
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None: ...
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int] | None = None
+    ) -> KVCacheBlock | list[KVCacheBlock] | None:
         """The block holding the prefix with this hash, or ``None``. Changes nothing (a hit is only taken
-        by ``touch``). Mirrors ``BlockPool.get_cached_block``."""
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+        by ``touch``). Mirrors ``BlockPool.get_cached_block``.
+
+        With ``kv_cache_group_ids`` (hybrid models: each group caches its own blocks of a prefix), one block
+        per group in that order, or ``None`` when any group misses, as vLLM 0.26 answers; without, the block
+        of group 0 (the lessons' single-group form)."""
+        if kv_cache_group_ids is None:
+            return self._get_one_block(block_hash)
+        found = []
+        for group_id in kv_cache_group_ids:
+            block = self._get_one_block(make_block_hash_with_group_id(block_hash, group_id))
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    def _get_one_block(self, key: Any) -> KVCacheBlock | None:
+        blocks = self.cached_block_hash_to_block.get(key)
         if not blocks:
             return None
         return next(iter(blocks.values()))
@@ -73,6 +99,7 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int | None = None,
         hash_fn: Callable[[Any], BlockHash] = builtin_hash,
+        kv_cache_group_id: int = 0,
     ) -> None:
         """Enter ``blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache.
 
@@ -80,7 +107,9 @@ class BlockPool:
         tokens), so a later request with the same prefix finds it. Only full blocks are cached: a partly
         filled block's KV is not final. The KV cache manager keeps ``request.block_hashes`` up to date; a
         caller that does not may pass ``block_size`` (and ``hash_fn``) to have the missing hashes computed.
-        Mirrors ``BlockPool.cache_full_blocks``.
+        Null blocks (a sliding-window table's released entries) are skipped. ``kv_cache_group_id`` keys the
+        entry by group (``make_block_hash_with_group_id``): in a hybrid model each group caches its own block
+        of a prefix. Mirrors ``BlockPool.cache_full_blocks``.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -95,7 +124,7 @@ class BlockPool:
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
                 continue
-            block_hash = request.block_hashes[i]
+            block_hash = make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)
             block.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
             cached.append(block.block_id)
@@ -110,8 +139,7 @@ class BlockPool:
         the map): this is the only place eviction happens. Raises ``ValueError``, and changes nothing,
         when fewer blocks are free. Mirrors ``BlockPool.get_new_blocks``.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        num_blocks = check_int(num_blocks, "num_blocks", 0)
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(
                 f"Cannot get {num_blocks} free blocks from the pool: {self.get_num_free_blocks()} are free"
@@ -151,8 +179,7 @@ class BlockPool:
         ids = list(block_ids)
         n = self.num_gpu_blocks
         for block_id in ids:
-            if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 < block_id < n:
-                raise ValueError(f"cannot evict block {block_id!r}: not a usable block id of this pool (1..{n - 1})")
+            check_int(block_id, "a block id to evict", 1, n - 1, why="the usable blocks of this pool")
         for block_id in ids:
             self._maybe_evict_cached_block(self.blocks[block_id])
 

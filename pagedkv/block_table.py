@@ -42,14 +42,14 @@ def make_block_table_tensor(
     block_tables: Sequence[Sequence[int]], max_num_blocks: int | None = None, device: str | None = None
 ) -> torch.Tensor:
     """Pad a batch's block tables into the kernel's ``int32 [B, max_num_blocks]`` tensor (padding 0, the
-    null block, which the kernel never reads because it stops at ``seq_lens``)."""
+    null block, which the kernel never reads because it stops at ``seq_lens``); ``max_num_blocks`` defaults to
+    the longest table. Built in one ``torch.tensor`` call (the engine builds one every step). vLLM 0.26 keeps
+    a preallocated ``[max_num_reqs, max_num_blocks]`` buffer instead and hands out its first rows
+    (``BlockTable.get_device_tensor``, ``vllm/v1/worker/block_table.py``)."""
     import torch
 
     width = max((len(t) for t in block_tables), default=0) if max_num_blocks is None else max_num_blocks
     if any(len(t) > width for t in block_tables):
         raise ValueError(f"a block table is longer than max_num_blocks={width}")
-    out = torch.zeros((len(block_tables), width), dtype=torch.int32, device=device)  # [B, max_num_blocks]
-    for i, table in enumerate(block_tables):
-        if table:
-            out[i, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
-    return out
+    rows = [list(t) + [0] * (width - len(t)) for t in block_tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), width)  # [B, max_num_blocks]

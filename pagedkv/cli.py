@@ -2,10 +2,11 @@
 
     pagedkv grade [PATH...] [--json FILE] [--timeout S]   grade notebooks (default: exercises/)
     pagedkv grade --class FOLDER --csv FILE              grade a class's notebooks, one CSV
-    pagedkv build-exercises [--check] [NAME...]           grading/source/ -> exercises/, solutions/, zips
+    pagedkv build-exercises [--check] [--force] [NAME...] grading/source/ -> exercises/, solutions/, zips
     pagedkv bench [NAME...]                               run the lab's benchmarks (see BENCHMARKS)
+    pagedkv serve MODEL [--port N ...]                    an OpenAI-compatible server (vllm serve's flags)
 
-``./lab grade``, ``./lab exercises`` and ``./lab bench`` call these.
+``./lab grade``, ``./lab exercises``, ``./lab bench`` and ``./lab serve`` call these.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ BENCHMARKS: dict[str, str] = {
     "scheduling": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator
     "kernels": "pagedkv.kernels.bench",  # lesson 6: decode kernels (tiny interpreter run on a CPU)
     "engine": "pagedkv.benchmarks.engine",  # lesson 7: HF generate / static batch / generate_batch vs the engine
+    "serve": "pagedkv.benchmarks.serve",  # lesson 9: load generator against the OpenAI-compatible server
 }
+#: Benchmarks that need options (and a server) to run: ``pagedkv bench`` without names skips them.
+NEEDS_OPTIONS = {"serve"}
 
 
 def _repo_root() -> Path:
@@ -36,6 +40,9 @@ def _repo_root() -> Path:
 
 def _cmd_grade(args: argparse.Namespace) -> int:
     from pagedkv.grading.grade import format_table, grade_paths, report_json
+    from pagedkv.grading.limits import Limits
+    from pagedkv.grading.output import write_replacing
+    from pagedkv.grading.sandbox import bwrap_problem
 
     root = _repo_root()
     for flag, value in (("--timeout", args.timeout), ("--cell-timeout", args.cell_timeout),
@@ -43,6 +50,11 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         if not value > 0:
             print(f"pagedkv grade: {flag} must be a positive number of seconds (got {value:g})", file=sys.stderr)
             return 2
+    if not args.memory > 0:
+        print(f"pagedkv grade: --memory must be a positive number of GB (got {args.memory:g})", file=sys.stderr)
+        return 2
+    limits = Limits(timeout=args.timeout, cell_timeout=args.cell_timeout, case_timeout=args.case_timeout,
+                    memory=int(args.memory * (1 << 30)))
     if args.jobs is not None and args.jobs < 1:
         print(f"pagedkv grade: --jobs must be at least 1 (got {args.jobs})", file=sys.stderr)
         return 2
@@ -65,6 +77,14 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print(f"pagedkv grade: --csv {args.csv}: the folder {Path(args.csv).parent} does not exist",
                   file=sys.stderr)
             return 2
+    problem = bwrap_problem()
+    if problem is not None and args.class_folder:
+        print(f"pagedkv grade --class: refusing to grade a class without a sandbox: {problem}", file=sys.stderr)
+        return 2
+    if problem is not None and not args.quiet:
+        print(f"pagedkv grade: note: grading without a sandbox ({problem}): your code runs as a plain process "
+              "with the library's answers removed and rlimits, which is enough to grade your own work",
+              file=sys.stderr)
     paths = ([args.class_folder] if args.class_folder else []) + list(args.paths or [])
     paths = paths or [str(root / "exercises")]
     autograder_dir = Path(args.autograder_dir) if args.autograder_dir else root / "grading" / "autograder"
@@ -77,16 +97,14 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print(f"graded {result.notebook}: {result.score:g}/{result.possible:g} ({result.status}, "
                   f"{result.seconds:.0f} s)", file=sys.stderr, flush=True)
 
-    results, problems = grade_paths(
-        paths, autograder_dir=autograder_dir, timeout=args.timeout, cell_timeout=args.cell_timeout,
-        case_timeout=args.case_timeout, memory=int(args.memory * (1 << 30)), jobs=args.jobs, on_result=progress,
-    )
+    results, problems = grade_paths(paths, autograder_dir=autograder_dir, limits=limits,
+                                    require_sandbox=bool(args.class_folder), jobs=args.jobs, on_result=progress)
     for p in problems:
         print(f"skipped: {p}", file=sys.stderr)
     if results:
         print(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(report_json(results), indent=2) + "\n", encoding="utf-8")
+        write_replacing(args.json, json.dumps(report_json(results), indent=2) + "\n")
     if args.class_folder:
         from pagedkv.grading.classroom import class_rows, learner_totals, write_csv
 
@@ -94,13 +112,18 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         print("\n" + learner_totals(rows))
         if args.csv:
             write_csv(rows, args.csv)
-    elif results and not args.no_progress:
-        from pagedkv.grading.progress import record_progress
+    elif results:
+        if len({r.autograder for r in results}) < len(results):  # two notebooks of one set: a class?
+            print("pagedkv grade: several notebooks of the same set were graded, and the total above adds them up "
+                  "as one learner's; to grade a class, one row per learner: ./lab grade --class FOLDER --csv FILE",
+                  file=sys.stderr)
+        if not args.no_progress:
+            from pagedkv.grading.progress import record_progress
 
-        try:
-            record_progress(results)
-        except OSError as exc:  # a read-only checkout: the grades above still stand
-            print(f"pagedkv grade: could not record progress: {exc}", file=sys.stderr)
+            try:
+                record_progress(results)  # the notebooks in exercises/ only
+            except OSError as exc:  # a read-only checkout: the grades above still stand
+                print(f"pagedkv grade: could not record progress: {exc}", file=sys.stderr)
     if not results:
         print("pagedkv grade: nothing was graded", file=sys.stderr)
         return 2
@@ -112,14 +135,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     root = Path(args.root).resolve() if args.root else None
     try:
-        return build_all(root, args.names or None, check=args.check)
+        return build_all(root, args.names or None, check=args.check, force=args.force)
     except (ValueError, RuntimeError) as exc:
         print(f"pagedkv build-exercises: {exc}", file=sys.stderr)
         return 2
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    names = args.names or list(BENCHMARKS)
+    names = args.names or [n for n in BENCHMARKS if n not in NEEDS_OPTIONS]
     extra = getattr(args, "extra", [])
     if extra and len(names) != 1:
         print(f"pagedkv bench: options {extra} go to one benchmark; name exactly one (e.g. pagedkv bench engine "
@@ -139,26 +162,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return status
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagedkv.entrypoints.api_server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from pagedkv.grading.limits import DEFAULT_LIMITS
+
     parser = argparse.ArgumentParser(prog="pagedkv", description="PagedKV Lab: grade, build exercises, bench.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("grade", help="grade exercise notebooks (default: exercises/)")
     g.add_argument("paths", nargs="*", metavar="PATH", help="notebooks or folders (default: exercises/)")
     g.add_argument("--json", metavar="FILE", help='also write {"score", "possible", "notebooks"} to FILE')
-    g.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="seconds per notebook before it is stopped and failed (default 300)")
-    g.add_argument("--cell-timeout", type=float, default=60.0, metavar="S",
-                   help="seconds per cell before the cell is interrupted (default 60)")
+    g.add_argument("--timeout", type=float, default=DEFAULT_LIMITS.timeout, metavar="S",
+                   help=f"seconds per notebook before it is stopped and failed (default {DEFAULT_LIMITS.timeout:g})")
+    g.add_argument("--cell-timeout", type=float, default=DEFAULT_LIMITS.cell_timeout, metavar="S",
+                   help=f"seconds per cell before the cell is interrupted (default {DEFAULT_LIMITS.cell_timeout:g})")
     g.add_argument("--class", dest="class_folder", metavar="FOLDER",
                    help="grade a class: FOLDER/<learner>/NN_name.ipynb (or FOLDER/NN_name-<learner>.ipynb)")
     g.add_argument("--csv", metavar="FILE", help="with --class: one row per learner and exercise")
     g.add_argument("--no-progress", action="store_true",
-                   help="do not record the scores in .pagedkv/progress.json (the course index's progress table)")
-    g.add_argument("--case-timeout", type=float, default=60.0, metavar="S",
-                   help="seconds one test case may spend in your code, all its calls together (default 60)")
-    g.add_argument("--memory", type=float, default=4.0, metavar="GB",
-                   help="address space of the process that runs a notebook's code (default 4 GB)")
+                   help="do not record the scores in .pagedkv/progress.json (the course index's progress table; "
+                   "only notebooks in exercises/ are recorded)")
+    g.add_argument("--case-timeout", type=float, default=DEFAULT_LIMITS.case_timeout, metavar="S",
+                   help="seconds one test case may spend in your code, all its calls together "
+                   f"(default {DEFAULT_LIMITS.case_timeout:g})")
+    g.add_argument("--memory", type=float, default=DEFAULT_LIMITS.memory / (1 << 30), metavar="GB",
+                   help="memory of the sandbox that runs a notebook's code "
+                   f"(default {DEFAULT_LIMITS.memory / (1 << 30):g} GB)")
     g.add_argument("--jobs", "-j", type=int, default=None, help="notebooks graded at once (default: CPUs, max 4)")
     g.add_argument("--autograder-dir", metavar="DIR", help="where the NN_name.zip files are "
                    "(default: grading/autograder/ of this repository)")
@@ -168,8 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build-exercises", help="generate exercises/, solutions/ and the autograder zips")
     b.add_argument("names", nargs="*", metavar="NAME", help="sets to build, e.g. 01 or 01_fragmentation (default: all)")
     b.add_argument("--check", action="store_true", help="write nothing; exit 1 when a committed file is stale")
+    b.add_argument("--force", action="store_true",
+                   help="replace notebooks that have changes of their own (a learner's answers); a copy of each "
+                   "is kept under .pagedkv/replaced/")
     b.add_argument("--root", help=argparse.SUPPRESS)
     b.set_defaults(func=_cmd_build)
+
+    from pagedkv.entrypoints.cli_args import make_arg_parser
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (lesson 9)")
+    make_arg_parser(s)
+    s.set_defaults(func=_cmd_serve)
 
     r = sub.add_parser("bench", help="run benchmarks and print their tables")
     r.add_argument(

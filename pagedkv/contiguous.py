@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.fragmentation import blocks_needed
+from pagedkv.utils import check_int
 
 __all__ = [
     "AllocationEvent",
@@ -53,9 +54,7 @@ class FirstFitAllocator:
     """
 
     def __init__(self, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
-            raise ValueError(f"num_slots must be an integer >= 0, got {num_slots!r}")
-        self.num_slots = int(num_slots)
+        self.num_slots = check_int(num_slots, "num_slots", 0)
         self._holes: list[Hole] = [Hole(0, self.num_slots)] if self.num_slots else []
         self.allocations: dict[Hashable, Hole] = {}  # seq_id -> its run of slots
 
@@ -82,8 +81,7 @@ class FirstFitAllocator:
         """
         if seq_id in self.allocations:
             raise ValueError(f"{seq_id!r} already holds slots {self.allocations[seq_id]}")
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0:
-            raise ValueError(f"size must be an integer >= 1, got {size!r}")
+        size = check_int(size, "size", 1)
         for i, hole in enumerate(self._holes):
             if hole.size >= size:
                 if hole.size == size:

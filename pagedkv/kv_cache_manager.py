@@ -3,15 +3,31 @@
 Mirrors ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager``) together with the per-request
 bookkeeping of ``vllm/v1/core/single_type_kv_cache_manager.py`` (``req_to_blocks``, ``num_cached_block``).
 Copy-on-write for forked sequences follows vLLM V0's block manager (V1 serves n > 1 by prefix caching).
+
+Two ways to build one:
+
+- ``KVCacheManager(num_blocks, block_size)`` (lessons 2-7): one full-attention group, its tables kept
+  here, in one flat piece of code you can read top to bottom (and override, in the exercises).
+- ``KVCacheManager(kv_cache_config, max_model_len=...)`` (lesson 8): any ``KVCacheConfig``, through a
+  coordinator (``pagedkv.kv_cache_coordinator``) over one ``SingleTypeKVCacheManager`` per group, as vLLM
+  0.26 is built. With one group the public API is the same as above (lists of blocks and block ids); with
+  several groups (a hybrid model) per-group values come back as vLLM returns them: ``get_block_ids`` a tuple
+  with one list per group, ``get_computed_blocks`` and ``allocate_slots`` a ``KVCacheBlocks``. For one
+  full-attention group both ways behave identically (``tests/test_hybrid_kv_cache.py`` checks it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.block_pool import BlockPool
 from pagedkv.block_table import compute_slot_mapping
+from pagedkv.kv_cache_coordinator import KVCacheCoordinator, get_kv_cache_coordinator
+from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from pagedkv.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -21,7 +37,9 @@ from pagedkv.kv_cache_utils import (
     update_block_hashes,
 )
 from pagedkv.request import Request
+from pagedkv.single_type_kv_cache_manager import FullAttentionManager, blocks_written
 from pagedkv.trace import EventTrace
+from pagedkv.utils import cdiv, check_int
 
 
 class UnknownRequestError(KeyError, ValueError):
@@ -31,8 +49,23 @@ class UnknownRequestError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass
+class KVCacheBlocks:
+    """Blocks of one request, one sequence per KV cache group: ``blocks[g][i]`` is group ``g``'s ``i``-th
+    block. What a several-group ``KVCacheManager`` returns from ``get_computed_blocks``, ``allocate_slots``
+    and ``get_blocks``. Mirrors ``KVCacheBlocks`` in ``vllm/v1/core/kv_cache_manager.py``."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(list(itertools.chain(a, b)) for a, b in zip(self.blocks, other.blocks, strict=True)))
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """One list of block ids per group (0 where a group holds the null block)."""
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in self.blocks))
 
 
 class KVCacheManager:
@@ -45,11 +78,26 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_blocks: int,
-        block_size: int,
+        num_blocks: int | KVCacheConfig,
+        block_size: int | None = None,
         enable_caching: bool = True,
         hash_fn: str | Callable[[Any], BlockHash] = "builtin",
+        *,
+        max_model_len: int | None = None,
+        max_in_flight_tokens: int | None = None,
     ) -> None:
+        """``KVCacheManager(num_blocks, block_size)``: one full-attention group (lessons 2-7).
+        ``KVCacheManager(kv_cache_config, max_model_len=..., max_in_flight_tokens=...)``: the groups of a
+        ``KVCacheConfig`` through a coordinator (vLLM's ``KVCacheManager(kv_cache_config, max_model_len,
+        ...)``). ``max_model_len`` caps the slots a request gets (``None``: no cap); ``max_in_flight_tokens``
+        (tokens scheduled but not yet processed; ``None``: set by the ``Scheduler`` from its
+        ``max_num_batched_tokens``, else ``max_model_len``) caps what the admission gate counts for a
+        sliding-window group."""
+        self.coordinator: KVCacheCoordinator | None = None
+        self.max_model_len = max_model_len
+        if isinstance(num_blocks, KVCacheConfig):
+            self._init_groups(num_blocks, block_size, enable_caching, hash_fn, max_model_len, max_in_flight_tokens)
+            return
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
         self.block_size = block_size
@@ -66,6 +114,85 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_stats = PrefixCacheStats()
         self.trace: EventTrace | None = None
+        self.num_kv_cache_groups = 1
+        self.max_in_flight_tokens = max_in_flight_tokens
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float16")
+        self.kv_cache_config = KVCacheConfig.single_group(num_blocks, spec)
+
+    def _init_groups(
+        self,
+        config: KVCacheConfig,
+        block_size: int | None,
+        enable_caching: bool,
+        hash_fn: str | Callable[[Any], BlockHash],
+        max_model_len: int | None,
+        max_in_flight_tokens: int | None,
+    ) -> None:
+        for name, value in (("max_model_len", max_model_len), ("max_in_flight_tokens", max_in_flight_tokens)):
+            if value is not None:
+                check_int(value, f"{name} (or None)", 1)
+        limit = sys.maxsize if max_model_len is None else max_model_len
+        self.kv_cache_config = config
+        self.coordinator = get_kv_cache_coordinator(config, limit, max_in_flight_tokens or limit, enable_caching)
+        if block_size is not None and block_size != self.coordinator.block_size:
+            raise ValueError(f"block_size={block_size} disagrees with the config's {self.coordinator.block_size}")
+        self.block_size = self.coordinator.block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = get_hash_fn(hash_fn)
+        self._block_pool = self.coordinator.block_pool
+        self.num_gpu_blocks = config.num_blocks
+        self.num_kv_cache_groups = len(config.kv_cache_groups)
+        self.max_in_flight_tokens = max_in_flight_tokens
+        # req_to_blocks and num_cached_block are group 0's (see __getattr__), not copies kept here.
+        self.req_num_tokens = {}
+        self.pending_copies = []
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.trace = None
+
+    def __getattr__(self, name: str) -> Any:
+        """Built from a ``KVCacheConfig``, ``req_to_blocks`` and ``num_cached_block`` are group 0's
+        (``single_type_managers[0]``'s): for one group the tables the lessons read, for several group 0's
+        (``get_blocks`` gives every group's). Looked up each time, never stored, so there is one copy."""
+        if name in ("req_to_blocks", "num_cached_block"):
+            coordinator = self.__dict__.get("coordinator")
+            if coordinator is not None:
+                return getattr(coordinator.single_type_managers[0], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self._block_pool
+
+    @block_pool.setter
+    def block_pool(self, pool: BlockPool) -> None:
+        self._block_pool = pool
+        if self.coordinator is not None:
+            self.coordinator.set_block_pool(pool)
+
+    @property
+    def single_type_managers(self) -> tuple:
+        """One ``SingleTypeKVCacheManager`` per group (empty for the flat one-group manager)."""
+        return () if self.coordinator is None else self.coordinator.single_type_managers
+
+    def set_max_in_flight_tokens(self, max_in_flight_tokens: int) -> None:
+        """Set the in-flight bound of the sliding-window admission cap (``KVCacheCoordinator
+        .set_max_in_flight_tokens``); a no-op for the flat manager, which has no window."""
+        self.max_in_flight_tokens = max_in_flight_tokens
+        if self.coordinator is not None:
+            self.coordinator.set_max_in_flight_tokens(max_in_flight_tokens)
+
+    def max_num_blocks_for(self, num_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` tokens holds at once, all groups together: every
+        block for a full-attention group, at most ``max_admission_blocks_per_request`` for a sliding-window
+        one. What ``Scheduler.add_request`` compares with the pool."""
+        if self.coordinator is None:
+            return cdiv(num_tokens, self.block_size)
+        total = 0
+        for m in self.coordinator.single_type_managers:
+            n = cdiv(num_tokens, m.block_size)
+            cap = m._max_admission_blocks_per_request
+            total += n if cap is None else min(n, cap)
+        return total
 
     # --- tracing ------------------------------------------------------------------------------------
     def set_trace(self, trace: EventTrace | None) -> None:
@@ -81,7 +208,12 @@ class KVCacheManager:
         last token is never a hit: its forward pass is what samples the next token, so a hit covering every
         token is cut back by one block. Nothing in the pool changes (the hit is taken by ``allocate_slots``);
         only the prefix-cache counters move. Mirrors ``KVCacheManager.get_computed_blocks``.
+
+        Built from a ``KVCacheConfig``, the coordinator finds the hit (``find_longest_cache_hit``): a list
+        for one group (a sliding-window group's begins with null blocks), a ``KVCacheBlocks`` for several.
         """
+        if self.coordinator is not None:
+            return self._get_computed_blocks_groups(request)
         if not self.enable_caching:
             return [], 0
         update_block_hashes(request, self.block_size, self.hash_fn)
@@ -120,11 +252,7 @@ class KVCacheManager:
     def _blocks_written(self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int) -> list[int]:
         """Indices of blocks already in the table that this step writes into while another request shares
         them: each needs a private copy first (copy-on-write)."""
-        if num_new_tokens <= 0 or not blocks:
-            return []
-        first = request.num_computed_tokens // self.block_size
-        last = min(len(blocks), cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
-        return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
+        return blocks_written(blocks, request.num_computed_tokens, num_new_tokens, self.block_size)
 
     def _check_hits(self, request: Request, hits: list[KVCacheBlock], req_blocks: list[KVCacheBlock]) -> None:
         """Refuse cache hits that ``get_computed_blocks`` could not have returned: before the request's first
@@ -136,8 +264,16 @@ class KVCacheManager:
                 f"request {rid!r}: cache hits can only be added before its first allocation "
                 f"(it holds {len(req_blocks)} blocks, {request.num_computed_tokens} computed tokens)"
             )
+        self._check_hit_blocks(rid, hits)
+        self._check_hit_length(request, len(hits))
+
+    def _check_hit_blocks(self, rid: str, hits: list[KVCacheBlock], allow_null: bool = False) -> None:
+        """Each hit a cached block of this pool, each once (``allow_null``: null entries pass, as in a
+        sliding-window group's hit)."""
         seen: set[int] = set()
         for block in hits:
+            if allow_null and block.is_null and self.block_pool.owns(block):
+                continue
             if not self.block_pool.owns(block) or block.is_null:
                 raise ValueError(f"request {rid!r}: cache hit {block!r} is not a usable block of this pool")
             if block.block_hash is None:
@@ -145,10 +281,12 @@ class KVCacheManager:
             if block.block_id in seen:
                 raise ValueError(f"request {rid!r}: cache hit block {block.block_id} is given twice")
             seen.add(block.block_id)
-        if len(hits) * self.block_size >= request.num_tokens:
+
+    def _check_hit_length(self, request: Request, num_hit_blocks: int) -> None:
+        if num_hit_blocks * self.block_size >= request.num_tokens:
             raise ValueError(
-                f"request {rid!r}: {len(hits)} cache-hit blocks cover all {request.num_tokens} tokens; the last "
-                "token is always computed (get_computed_blocks cuts a full hit back by one block)"
+                f"request {request.request_id!r}: {num_hit_blocks} cache-hit blocks cover all {request.num_tokens} "
+                "tokens; the last token is always computed (get_computed_blocks cuts a full hit back by one block)"
             )
 
     def allocate_slots(
@@ -179,11 +317,18 @@ class KVCacheManager:
         ``None``, even when this chunk alone would fit. With chunked prefill this keeps a long prompt from
         being admitted on its first chunk only to stall (or preempt others) halfway. Mirrors
         ``KVCacheManager.allocate_slots`` (``get_num_blocks_to_allocate`` with the full sequence).
+
+        Built from a ``KVCacheConfig``: the same, group by group through the coordinator, and first (as vLLM
+        does, even when the allocation then fails) each sliding-window group releases the blocks that fell
+        out of its window (``remove_skipped_blocks``, replaced by the null block); the admission gate counts
+        at most ``max_admission_blocks_per_request`` blocks for such a group. ``new_computed_blocks`` is what
+        ``get_computed_blocks`` returned; several groups get a ``KVCacheBlocks`` back.
         """
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        num_new_tokens = check_int(num_new_tokens, "num_new_tokens", 0)
         if not isinstance(full_sequence_must_fit, bool):
             raise ValueError(f"full_sequence_must_fit must be a bool, got {full_sequence_must_fit!r}")
+        if self.coordinator is not None:
+            return self._allocate_slots_groups(request, num_new_tokens, new_computed_blocks, full_sequence_must_fit)
         rid = request.request_id
         hits = list(new_computed_blocks or [])
         req_blocks = self.req_to_blocks.get(rid, [])
@@ -288,6 +433,9 @@ class KVCacheManager:
         rid = request.request_id
         if rid not in self.req_to_blocks:
             raise UnknownRequestError(f"request {rid!r} holds no blocks in this KV cache manager")
+        if self.coordinator is not None:
+            self._free_groups(request)
+            return
         blocks = self.req_to_blocks.pop(rid)
         self.num_cached_block.pop(rid, None)
         self.req_num_tokens.pop(rid, None)
@@ -314,6 +462,13 @@ class KVCacheManager:
         n = parent.num_computed_tokens
         if child.num_tokens < n or child.all_token_ids[:n] != parent.all_token_ids[:n]:
             raise ValueError(f"child {cid!r} must begin with the parent's {n} computed tokens to share its blocks")
+        if self.coordinator is not None:
+            for m in self.coordinator.single_type_managers:
+                m.fork(pid, cid)
+            self.req_num_tokens[cid] = self.req_num_tokens.get(pid, n)
+            child.num_computed_tokens = n
+            self._record_groups("fork", cid, f"{cid} forks from {pid}, sharing its blocks", parent=pid)
+            return
         blocks = self.req_to_blocks[pid]
         self.block_pool.touch(blocks)
         self.req_to_blocks[cid] = list(blocks)
@@ -328,18 +483,38 @@ class KVCacheManager:
         """Return and clear the recorded copy-on-write copies, as ``(src_block_id, dst_block_id)``; the
         model runner performs them before the step's forward pass (``SchedulerOutput.blocks_to_copy``)."""
         copies, self.pending_copies = self.pending_copies, []
+        for m in self.single_type_managers:
+            copies.extend(m.pending_copies)
+            m.pending_copies = []
         return copies
 
     # --- reading ------------------------------------------------------------------------------------
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as block ids. Mirrors ``KVCacheManager.get_block_ids``."""
+    def get_block_ids(self, request_id: str) -> list[int] | tuple[list[int], ...]:
+        """The request's block table as block ids: a list for one KV cache group; with several, one list per
+        group (vLLM's form; 0 where a sliding-window group has released a block). Mirrors
+        ``KVCacheManager.get_block_ids``. ``UnknownRequestError`` for a request that holds no table."""
         if request_id not in self.req_to_blocks:
             raise UnknownRequestError(f"request {request_id!r} holds no blocks in this KV cache manager")
-        return [b.block_id for b in self.req_to_blocks[request_id]]
+        if self.num_kv_cache_groups == 1:
+            return [b.block_id for b in self.req_to_blocks[request_id]]
+        return self.get_blocks(request_id).get_block_ids()
 
-    def get_slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Physical slots of the request's token positions ``start`` to ``end - 1``."""
-        return compute_slot_mapping(self.get_block_ids(request_id), range(start, end), self.block_size)
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks in every group, always as a ``KVCacheBlocks`` (one sequence per group, also
+        for one group): the uniform form for code that serves any model. Empty for an unknown request.
+        Mirrors ``KVCacheManager.get_blocks``."""
+        if self.coordinator is None:
+            return KVCacheBlocks((list(self.req_to_blocks.get(request_id, [])),))
+        return KVCacheBlocks(tuple(list(b) for b in self.coordinator.get_blocks(request_id)))
+
+    def get_slot_mapping(self, request_id: str, start: int, end: int) -> list[int] | tuple[list[int], ...]:
+        """Physical slots of the request's token positions ``start`` to ``end - 1``: a list for one group,
+        one list per group for several (each group's layers write into their own blocks)."""
+        tables = self.get_blocks(request_id).get_block_ids()
+        if request_id not in self.req_to_blocks:
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks in this KV cache manager")
+        slots = tuple(compute_slot_mapping(t, range(start, end), self.block_size) for t in tables)
+        return slots[0] if self.num_kv_cache_groups == 1 else slots
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
@@ -367,4 +542,146 @@ class KVCacheManager:
             "free_queue": [b.block_id for b in pool.free_block_queue],
             "block_tables": {rid: [b.block_id for b in blocks] for rid, blocks in self.req_to_blocks.items()},
             "num_tokens": dict(self.req_num_tokens),
-        }
+        } | self._snapshot_groups()
+
+    # --- several KV cache groups (built from a KVCacheConfig) ---------------------------------------
+    def _as_group_blocks(self, blocks: Any) -> tuple[list[KVCacheBlock], ...]:
+        """``new_computed_blocks`` in any of the forms ``get_computed_blocks`` returns, one list per group."""
+        n = self.num_kv_cache_groups
+        if blocks is None:
+            return tuple([] for _ in range(n))
+        if isinstance(blocks, KVCacheBlocks):
+            groups = tuple(list(g) for g in blocks.blocks)
+        elif n == 1 and all(isinstance(b, KVCacheBlock) for b in blocks):
+            groups = (list(blocks),)
+        else:
+            groups = tuple(list(g) for g in blocks)
+        if len(groups) != n:
+            raise ValueError(f"cache hits for {len(groups)} KV cache groups given, the manager has {n}")
+        return groups
+
+    def _pack(self, groups: tuple[list[KVCacheBlock], ...]) -> list[KVCacheBlock] | KVCacheBlocks:
+        return groups[0] if self.num_kv_cache_groups == 1 else KVCacheBlocks(groups)
+
+    def _get_computed_blocks_groups(self, request: Request) -> tuple[Any, int]:
+        assert self.coordinator is not None
+        if not self.enable_caching:
+            return self._pack(tuple([] for _ in range(self.num_kv_cache_groups))), 0
+        update_block_hashes(request, self.block_size, self.hash_fn)
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+        return self._pack(tuple(list(h) for h in hits)), num_hit_tokens
+
+    def _check_group_hits(self, request: Request, hits: tuple[list[KVCacheBlock], ...]) -> None:
+        """``_check_hits`` for each group: null entries are allowed only in a group that skips tokens, and
+        every group's hit must cover the same number of positions."""
+        assert self.coordinator is not None
+        rid = request.request_id
+        if rid in self.req_to_blocks or request.num_computed_tokens:
+            raise ValueError(
+                f"request {rid!r}: cache hits can only be added before its first allocation "
+                f"({request.num_computed_tokens} computed tokens)"
+            )
+        lengths = {len(h) for h in hits}
+        if len(lengths) != 1:
+            sizes = [len(h) for h in hits]
+            raise ValueError(f"request {rid!r}: the groups' cache hits differ in length ({sizes} blocks)")
+        for manager, group in zip(self.coordinator.single_type_managers, hits, strict=True):
+            self._check_hit_blocks(rid, group, allow_null=not isinstance(manager, FullAttentionManager))
+        self._check_hit_length(request, lengths.pop())
+
+    def _allocate_slots_groups(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Any, full_sequence_must_fit: bool
+    ) -> list[KVCacheBlock] | KVCacheBlocks | None:
+        """``allocate_slots`` through the coordinator. Mirrors ``KVCacheManager.allocate_slots`` of vLLM 0.26."""
+        coord = self.coordinator
+        assert coord is not None
+        rid = request.request_id
+        hits = self._as_group_blocks(new_computed_blocks)
+        has_hits = any(hits)
+        if has_hits:
+            self._check_group_hits(request, hits)
+        limit = sys.maxsize if self.max_model_len is None else self.max_model_len
+        num_local_computed = request.num_computed_tokens + len(hits[0]) * self.block_size
+        total_computed = min(num_local_computed, limit)
+        pool = self.block_pool
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, limit)
+            need = coord.get_num_blocks_to_allocate(rid, full, hits, total_computed, apply_admission_cap=True)
+            if need > pool.get_num_free_blocks():
+                return None
+        num_tokens_need_slot = min(total_computed + num_new_tokens, limit)
+        # Out-of-window blocks go first (vLLM frees them even if this allocation then fails), on the
+        # processed-token basis: tokens still in flight (async scheduling) may be read by a running step.
+        in_flight = getattr(request, "num_in_flight_tokens", 0)
+        before = self._held_ids(rid) if self.trace is not None else set()
+        coord.remove_skipped_blocks(rid, max(0, total_computed - in_flight))
+        if self.trace is not None:
+            dropped = sorted(before - self._held_ids(rid))
+            if dropped:
+                caption = f"{rid}: blocks {dropped} fell out of the window (freed, the null block in their place)"
+                self._record_groups("free", rid, caption)
+        num_needed = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, num_local_computed)
+        held = rid in self.req_to_blocks
+        managers = coord.single_type_managers
+        num_cow = 0 if has_hits or not held else sum(
+            m.get_num_cow_blocks(rid, request.num_computed_tokens, num_new_tokens) for m in managers
+        )
+        if num_needed + num_cow > pool.get_num_free_blocks():
+            return None
+
+        # From here on the allocation cannot fail.
+        if has_hits:
+            coord.allocate_new_computed_blocks(rid, hits, num_local_computed)
+            self._record_groups("touch", rid, f"{rid} hits cached blocks ({len(hits[0]) * self.block_size} tokens)")
+        fresh_cow = tuple(
+            m.copy_on_write(rid, request.num_computed_tokens, num_new_tokens) if num_cow else [] for m in managers
+        )
+        fresh = coord.allocate_new_blocks(rid, num_tokens_need_slot)
+        self._flush_evictions(rid)
+        self.req_num_tokens[rid] = max(self.req_num_tokens.get(rid, 0), num_tokens_need_slot)
+        if any(fresh):
+            self._record_groups("allocate", rid, f"{rid} allocates blocks")
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size, self.hash_fn)
+            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return self._pack(tuple(c + f for c, f in zip(fresh_cow, fresh, strict=True)))
+
+    def _held_ids(self, rid: str) -> set[int]:
+        assert self.coordinator is not None
+        return {b.block_id for group in self.coordinator.get_blocks(rid) for b in group if not b.is_null}
+
+    def _free_groups(self, request: Request) -> None:
+        assert self.coordinator is not None
+        rid = request.request_id
+        freed = [b.block_id for group in self.coordinator.get_blocks(rid) for b in reversed(group) if not b.is_null]
+        self.coordinator.free(rid)
+        self.req_num_tokens.pop(rid, None)
+        if self.trace is not None:
+            self.trace.record("free", rid, freed, f"{rid} frees blocks {freed}")
+
+    def _record_groups(self, kind: str, rid: str, caption: str, **data: Any) -> None:
+        """A trace event naming the request's tables in every group (``tables``, one list per group)."""
+        if self.trace is None or self.coordinator is None:
+            return
+        tables = [[b.block_id for b in g] for g in self.coordinator.get_blocks(rid)]
+        ids = sorted({i for t in tables for i in t if i != 0})
+        self.trace.record(kind, rid, ids, f"{caption}: tables {tables}", tables=tables, **data)
+
+    def _snapshot_groups(self) -> dict[str, Any]:
+        """Built from a ``KVCacheConfig``: what each group is, and every request's table in each group."""
+        if self.coordinator is None:
+            return {}
+        groups = []
+        for g in self.kv_cache_config.kv_cache_groups:
+            spec = g.kv_cache_spec
+            window = getattr(spec, "sliding_window", None)
+            kind = "sliding_window" if isinstance(spec, SlidingWindowSpec) else "full_attention"
+            groups.append({"kind": kind, "sliding_window": window, "layer_names": list(g.layer_names)})
+        tables: dict[str, list[list[int]]] = {}
+        for gi, m in enumerate(self.coordinator.single_type_managers):
+            for rid, blocks in m.req_to_blocks.items():
+                tables.setdefault(rid, [[] for _ in groups])[gi] = [b.block_id for b in blocks]
+        return {"groups": groups, "group_block_tables": tables}

@@ -207,9 +207,21 @@ class FreeKVCacheBlockQueue:
 # --------------------------------------------------------------------------------------------------
 # Block hashes (prefix caching)
 # --------------------------------------------------------------------------------------------------
+#: What ``builtin_hash`` hashes in place of ``None`` (an unsalted block's ``extra``): before Python 3.12
+#: ``hash(None)`` is derived from None's address, which differs from run to run.
+_NONE_STAND_IN = 0x4E6F_6E65_0000_0001
+
+
 def builtin_hash(obj: Any) -> int:
-    """Python's ``hash``: fast, but strings and bytes (and, before Python 3.12, ``None``) hash differently
-    in every process (PYTHONHASHSEED), so these hashes must never leave the process."""
+    """Python's ``hash``, with ``None`` (the object itself, or an element of a tuple) hashed as a fixed int:
+    so a key of ints, tuples of ints and ``None`` (every block without a cache salt) is the same in every run
+    and process, on every Python from 3.10 on. Strings and bytes (a cache salt) still hash differently in every
+    process (PYTHONHASHSEED), so these hashes must never leave the process. A lab choice: vLLM 0.26 offers
+    only sha256 and xxhash (``vllm/utils/hashing.py::get_hash_fn_by_name``)."""
+    if obj is None:
+        return hash(_NONE_STAND_IN)
+    if type(obj) is tuple and any(x is None for x in obj):  # "is": an element's == might not return a bool
+        obj = tuple(_NONE_STAND_IN if x is None else x for x in obj)
     return hash(obj)
 
 
@@ -317,8 +329,19 @@ def hash_request_tokens(
     return hashes
 
 
-def short_hash(block_hash: BlockHash) -> str:
-    """Six hex digits of a hash, for captions and pictures."""
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> Any:
+    """The prefix-cache key of a block of KV cache group ``group_id``: the hash itself for group 0 (so a
+    single-group model's keys are its block hashes, as lessons 2-7 show them), ``(hash, group_id)`` for the
+    others. vLLM 0.26 appends the group id to every hash (``make_block_hash_with_group_id`` in
+    ``vllm/v1/core/kv_cache_utils.py``); the lab leaves group 0's bare. Either way two groups' blocks of the
+    same prefix never collide."""
+    return block_hash if group_id == 0 else (block_hash, group_id)
+
+
+def short_hash(block_hash: Any) -> str:
+    """Six hex digits of a hash, for captions and pictures (``…/g1`` for a group-1 key)."""
+    if isinstance(block_hash, tuple):
+        return f"{short_hash(block_hash[0])}/g{block_hash[1]}"
     if isinstance(block_hash, bytes):
         return block_hash[:3].hex()
     return f"{block_hash & 0xFFFFFF:06x}"

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pagedkv.kv_cache_utils import BlockHash
+from pagedkv.utils import check_int
 
 _arrival_counter = itertools.count()
 
@@ -82,8 +83,7 @@ class Request:
         prompt = as_token_ids(request_id, prompt_token_ids)
         if not prompt:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty; a request needs >= 1 token")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"request {request_id!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
+        max_tokens = check_int(max_tokens, f"request {request_id!r}: max_tokens", 1)
         self.request_id = request_id
         self.prompt_token_ids: list[int] = prompt
         self.output_token_ids: list[int] = []

@@ -83,6 +83,13 @@ class SchedulerOutput:
     ``num_scheduled_tokens[r]`` tokens from there. ``partial_prefill_req_ids`` are the requests whose chunk
     stops short of their last token: the runner's sample for them is discarded. ``step`` is the index of the
     ``schedule()`` call that made this output (``None`` for one built by hand).
+
+    With several KV cache groups (a hybrid model), ``group_block_tables[r][g]`` is ``r``'s table in group
+    ``g`` (block 0, the null block, where a sliding-window group has released a block) and
+    ``group_slot_mapping[r][g]`` where each scheduled token's K/V goes in group ``g``'s layers;
+    ``block_tables`` and ``slot_mapping`` hold group 0's. (vLLM's ``NewRequestData.block_ids`` is likewise a
+    tuple with one list per group.) A hand-built output may leave the group fields empty: read them through
+    ``tables_per_group``/``slots_per_group``.
     """
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -91,8 +98,11 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block, cpu_block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block, gpu_block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src_gpu_block, dst_gpu_block)
-    block_tables: dict[str, list[int]] = field(default_factory=dict)
-    slot_mapping: dict[str, list[int]] = field(default_factory=dict)  # one slot per scheduled token
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # KV cache group 0's
+    slot_mapping: dict[str, list[int]] = field(default_factory=dict)  # one slot per scheduled token (group 0)
+    # Every group's (one tuple entry per KV cache group; the same as above when there is one group):
+    group_block_tables: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    group_slot_mapping: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     partial_prefill_req_ids: set[str] | None = None
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -105,6 +115,14 @@ class SchedulerOutput:
             self.preempted_req_ids = ReqIdList(self.preempted_req_ids or [])
         if not self.total_num_scheduled_tokens:
             self.total_num_scheduled_tokens = sum(self.num_scheduled_tokens.values())
+
+    def tables_per_group(self, req_id: str) -> tuple[list[int], ...]:
+        """``req_id``'s block table in every KV cache group (``(block_tables[req_id],)`` if none were set)."""
+        return self.group_block_tables.get(req_id) or (self.block_tables[req_id],)
+
+    def slots_per_group(self, req_id: str) -> tuple[list[int], ...]:
+        """``req_id``'s slot mapping in every KV cache group (``(slot_mapping[req_id],)`` if none were set)."""
+        return self.group_slot_mapping.get(req_id) or (self.slot_mapping[req_id],)
 
     @property
     def scheduled_req_ids(self) -> list[str]:

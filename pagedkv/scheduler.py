@@ -24,51 +24,21 @@ Mirrors ``vllm/v1/core/sched/scheduler.py`` (``Scheduler``). Swapping follows vL
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.block_table import compute_slot_mapping
-from pagedkv.kv_cache_manager import KVCacheManager, cdiv
+from pagedkv.cpu_block_pool import CPUBlockPool
+from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus, as_token_ids
 from pagedkv.request_queue import SchedulingPolicy, create_request_queue
 from pagedkv.sched_output import CachedRequestData, NewRequestData, ReqIdList, SchedulerOutput
+from pagedkv.single_type_kv_cache_manager import FullAttentionManager
 from pagedkv.trace import EventTrace
+from pagedkv.utils import cdiv, check_int
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-class CPUBlockPool:
-    """The host-memory blocks that swapped-out KV waits in: ``num_blocks`` ids, all usable (no null block).
-
-    A plain free list: swapping copies whole blocks, so nothing here is shared or cached.
-    Mirrors the CPU side of vLLM V0's ``CpuGpuBlockAllocator`` (``vllm/core/block/cpu_gpu_block_allocator.py``).
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
-
-    def get_num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the head of the free list. ``ValueError`` (no change) when fewer are free."""
-        if n > len(self.free_blocks):
-            raise ValueError(f"cannot take {n} CPU blocks: {len(self.free_blocks)} are free")
-        return [self.free_blocks.popleft() for _ in range(n)]
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Return blocks to the tail of the free list."""
-        ids = list(block_ids)
-        free = set(self.free_blocks)
-        for b in ids:
-            if not 0 <= b < self.num_blocks or b in free:
-                raise ValueError(f"CPU block {b} is not an allocated block of this pool")
-        self.free_blocks.extend(ids)
 
 
 @dataclass
@@ -114,7 +84,19 @@ class Scheduler:
     hits counted (``allocate_slots(..., full_sequence_must_fit=True)``), not merely its first chunk: vLLM's
     reason is that it "prevents over-admission and KV cache thrashing with chunked prefill". ``False`` admits
     on the first chunk, as vLLM did before the gate.
+
+    Over KV cache groups (a manager built from a ``KVCacheConfig``, lesson 8): the same loop; each step's
+    output carries every request's table in every group (``SchedulerOutput.group_block_tables`` and
+    ``group_slot_mapping``; ``block_tables`` and ``slot_mapping`` hold group 0's, which for one group is
+    everything). A manager built without ``max_in_flight_tokens`` gets ``max_concurrent_batches ·
+    max_num_batched_tokens`` (vLLM's ``VllmConfig.max_in_flight_tokens``), the bound of its sliding-window
+    admission cap. Swap preemption needs one full-attention group; with any other config a swap falls back
+    to recompute (vLLM 0.26 only recomputes).
     """
+
+    #: Steps that may be in flight at once (vLLM's ``max_concurrent_batches``): 1 when every step's output
+    #: is consumed before the next is scheduled.
+    max_concurrent_batches = 1
 
     def __init__(
         self,
@@ -131,20 +113,14 @@ class Scheduler:
         if not isinstance(kv_cache_manager, KVCacheManager):
             raise ValueError(f"kv_cache_manager must be a KVCacheManager, got {type(kv_cache_manager).__name__}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(value, name, 1)
         try:
             self.policy = SchedulingPolicy(policy)
         except ValueError:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}") from None
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        if (
-            isinstance(long_prefill_token_threshold, bool)
-            or not isinstance(long_prefill_token_threshold, int)
-            or long_prefill_token_threshold < 0
-        ):
-            raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {long_prefill_token_threshold!r}")
+        check_int(long_prefill_token_threshold, "long_prefill_token_threshold", 0)
         if not isinstance(scheduler_reserve_full_isl, bool):
             raise ValueError(f"scheduler_reserve_full_isl must be a bool, got {scheduler_reserve_full_isl!r}")
         self.kv_cache_manager = kv_cache_manager
@@ -157,6 +133,8 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.cpu_block_pool = CPUBlockPool(num_cpu_blocks)
+        if kv_cache_manager.coordinator is not None and kv_cache_manager.max_in_flight_tokens is None:
+            kv_cache_manager.set_max_in_flight_tokens(self.max_concurrent_batches * max_num_batched_tokens)
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -219,7 +197,11 @@ class Scheduler:
     # Adding requests
     # ------------------------------------------------------------------------------------------------
     def max_blocks_needed(self, request: Request) -> int:
-        """Blocks the request would hold at its longest: ``ceil((len(prompt) + max_tokens) / block_size)``."""
+        """Blocks the request would hold at its longest: ``ceil((len(prompt) + max_tokens) / block_size)``;
+        over KV cache groups, the sum of each group's most (``KVCacheManager.max_num_blocks_for``: a
+        sliding-window group never holds more than its window's worth)."""
+        if self.kv_cache_manager.coordinator is not None:
+            return self.kv_cache_manager.max_num_blocks_for(request.num_prompt_tokens + request.max_tokens)
         return cdiv(request.num_prompt_tokens + request.max_tokens, self.block_size)
 
     def _check_can_ever_fit(self, request: Request) -> None:
@@ -335,7 +317,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            state.add(request, num_new, [b.block_id for b in new_blocks])
+            state.add(request, num_new, self._group0_ids(new_blocks))
             state.scheduled_running.append(request)
             copies = manager.get_pending_copies()
             if copies:
@@ -387,34 +369,50 @@ class Scheduler:
                 state.scheduled_new.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            state.add(request, num_new, manager.get_block_ids(rid))
+            state.add(request, num_new, self._table(rid))
             copies = manager.get_pending_copies()
             if copies:
                 state.copies[rid] = copies
             self._record(
                 "admit",
                 rid,
-                manager.get_block_ids(rid),
+                self._table(rid),
                 f"{rid} admitted: {num_computed} tokens cached, {num_new} scheduled",
                 num_computed_tokens=num_computed,
                 num_new_tokens=num_new,
                 resumed=request.num_preemptions > 0,
             )
 
+    def _table(self, rid: str) -> list[int]:
+        """Group 0's block ids of the request (its whole table when there is one group)."""
+        ids = self.kv_cache_manager.get_block_ids(rid)
+        return list(ids[0]) if isinstance(ids, tuple) else ids
+
+    @staticmethod
+    def _group0_ids(blocks: Any) -> list[int]:
+        groups = getattr(blocks, "blocks", None)
+        return [b.block_id for b in (groups[0] if groups is not None else blocks)]
+
     def _make_output(self, state: _StepState) -> SchedulerOutput:
         manager = self.kv_cache_manager
         order = list(state.num_scheduled_tokens)
         block_tables: dict[str, list[int]] = {}
         slot_mapping: dict[str, list[int]] = {}
+        group_block_tables: dict[str, tuple[list[int], ...]] = {}
+        group_slot_mapping: dict[str, tuple[list[int], ...]] = {}
         starts: dict[str, int] = {}
         partial: set[str] = set()
         for rid in order:
             req = self.requests[rid]
             n = state.num_scheduled_tokens[rid]
             start = req.num_computed_tokens
-            table = manager.get_block_ids(rid)
-            block_tables[rid] = table
-            slot_mapping[rid] = compute_slot_mapping(table, range(start, start + n), self.block_size)
+            tables = manager.get_blocks(rid).get_block_ids()
+            group_block_tables[rid] = tables
+            group_slot_mapping[rid] = tuple(
+                compute_slot_mapping(t, range(start, start + n), self.block_size) for t in tables
+            )
+            block_tables[rid] = tables[0]
+            slot_mapping[rid] = group_slot_mapping[rid][0]
             starts[rid] = start
             if start + n < req.num_tokens + req.num_output_placeholders:
                 partial.add(rid)
@@ -435,6 +433,8 @@ class Scheduler:
             blocks_to_copy=copies,
             block_tables=block_tables,
             slot_mapping=slot_mapping,
+            group_block_tables=group_block_tables,
+            group_slot_mapping=group_slot_mapping,
             num_computed_tokens=starts,
             partial_prefill_req_ids=partial,
             scheduled_new_reqs=[
@@ -495,11 +495,15 @@ class Scheduler:
         blocks whose KV failed to load (``Scheduler._handle_invalid_blocks``)."""
         manager = self.kv_cache_manager
         rid = request.request_id
-        blocks = manager.req_to_blocks.get(rid)
-        if not blocks:
+        if rid not in manager.req_to_blocks:
             return
         first_unwritten = request.num_computed_tokens // self.block_size
-        unwritten = {b.block_id for b in blocks[first_unwritten:] if b.block_hash is not None}
+        unwritten = {
+            b.block_id
+            for blocks in manager.get_blocks(rid).blocks
+            for b in blocks[first_unwritten:]
+            if b.block_hash is not None and not b.is_null
+        }
         if unwritten:
             manager.evict_blocks(unwritten)
 
@@ -517,11 +521,15 @@ class Scheduler:
         """
         manager = self.kv_cache_manager
         rid = request.request_id
-        table = manager.get_block_ids(rid) if rid in manager.req_to_blocks else []
+        table = self._table(rid) if rid in manager.req_to_blocks else []
         num_blocks = cdiv(request.num_computed_tokens, self.block_size)
         mode = "recompute"
+        one_full_group = manager.coordinator is None or (
+            manager.num_kv_cache_groups == 1 and isinstance(manager.single_type_managers[0], FullAttentionManager)
+        )
         if (
             self.preemption_mode == "swap"
+            and one_full_group
             and state is not None  # a swap-out must travel in a step's output
             and 0 < num_blocks <= len(table)
             and num_blocks <= self.cpu_block_pool.get_num_free_blocks()
@@ -571,7 +579,7 @@ class Scheduler:
         release the CPU blocks (the runner copies them before anything can reuse them). Mirrors vLLM V0's
         ``Scheduler._swap_in``."""
         rid = request.request_id
-        table = self.kv_cache_manager.get_block_ids(rid)
+        table = self._table(rid)
         pairs = list(zip(cpu_blocks, table[: len(cpu_blocks)], strict=True))
         state.swap_in.extend(pairs)
         del self.swapped[rid]
@@ -699,7 +707,8 @@ class Scheduler:
             self.waiting.remove_requests([request])
         freed: list[int] = []
         if rid in self.kv_cache_manager.req_to_blocks:
-            freed = self.kv_cache_manager.get_block_ids(rid)
+            groups = self.kv_cache_manager.get_blocks(rid).blocks
+            freed = [b.block_id for blocks in groups for b in blocks if not b.is_null]
             self.kv_cache_manager.free(request)
         cpu = self.swapped.pop(rid, None)
         if cpu is not None:

@@ -25,18 +25,42 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: The repository the lab is cloned from, and the branch whose ``setup_env.py`` the cell downloads.
-REPO_URL = os.environ.get("PAGEDKV_REPO_URL", "https://github.com/pagedkv-lab/pagedkv-lab")
-BRANCH = "main"
 #: Where a fresh clone goes when the notebook is not inside one (Colab: /content/pagedkv-lab).
 CLONE_DIR = "pagedkv-lab"
 PROJECT_NAME = "pagedkv-lab"
 
 
-def raw_url(path: str, repo_url: str = REPO_URL, branch: str = BRANCH) -> str:
+def published_repo_url(root: Path | None = None) -> str | None:
+    """Where the course is published: ``Repository`` under ``[project.urls]`` in the checkout's pyproject.toml
+    (the one place that says it; ``tools/colab_cells.py`` writes it into every lesson's badge and set-up cell).
+    None outside a checkout: this file run as a script from the set-up cell is then given ``--repo``."""
+    if root is None:
+        try:
+            root = Path(__file__).resolve().parents[1]
+        except (NameError, IndexError):  # run from stdin: no checkout around it
+            return None
+    try:
+        text = (root / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    urls = text.split("[project.urls]", 1)[1].split("\n[", 1)[0] if "[project.urls]" in text else ""
+    for line in urls.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "Repository":
+            return value.strip().strip('"')
+    return None
+
+
+#: The repository the lab is cloned from (PAGEDKV_REPO_URL overrides pyproject.toml's), and the branch whose
+#: ``setup_env.py`` the cell downloads.
+REPO_URL = os.environ.get("PAGEDKV_REPO_URL") or published_repo_url()
+BRANCH = "main"
+
+
+def raw_url(path: str, repo_url: str | None = REPO_URL, branch: str = BRANCH) -> str:
     """The address of one file of the repository on GitHub's raw host (what the set-up cell downloads)."""
     prefix = "https://github.com/"
-    if not repo_url.startswith(prefix):
+    if not repo_url or not repo_url.startswith(prefix):
         raise ValueError(f"expected a https://github.com/OWNER/NAME address, got {repo_url!r}")
     return f"https://raw.githubusercontent.com/{repo_url[len(prefix) :].rstrip('/')}/{branch}/{path}"
 
@@ -62,7 +86,8 @@ def find_repo_root(start: Path) -> Path | None:
     return None
 
 
-def install_commands(cwd: Path, python: str, repo_url: str = REPO_URL, branch: str = BRANCH) -> list[list[str]]:
+def install_commands(cwd: Path, python: str, repo_url: str | None = REPO_URL,
+                     branch: str = BRANCH) -> list[list[str]]:
     """The commands that put the lab into ``python``'s environment, run from ``cwd``: clone it into
     ``cwd/pagedkv-lab`` unless ``cwd`` lies in a checkout (or one is there already), then ``pip install`` it.
 
@@ -72,6 +97,8 @@ def install_commands(cwd: Path, python: str, repo_url: str = REPO_URL, branch: s
     root = find_repo_root(cwd)
     commands: list[list[str]] = []
     if root is None:
+        if not repo_url:
+            raise ValueError("no checkout of the lab here, and no repository to clone it from: pass --repo URL")
         root = cwd.resolve() / CLONE_DIR
         commands.append(["git", "clone", "--quiet", "--depth=1", f"--branch={branch}", repo_url, str(root)])
     commands.append([python, "-m", "pip", "install", "--quiet", "-e", str(root)])
@@ -87,7 +114,10 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., object] = subproc
     p.add_argument("--repo", default=REPO_URL, help=f"the repository to clone (default {REPO_URL})")
     p.add_argument("--branch", default=BRANCH)
     args = parser.parse_args(argv)
-    commands = install_commands(Path.cwd(), sys.executable, args.repo, args.branch)
+    try:
+        commands = install_commands(Path.cwd(), sys.executable, args.repo, args.branch)
+    except ValueError as exc:
+        parser.error(str(exc))
     for cmd in commands:
         print("+", " ".join(cmd), flush=True)
         if not args.dry_run:

@@ -5,20 +5,18 @@ it, the widget renders (and hides its static fallback picture), pressing play ad
 browser and the drawn block tables change between frames, step and scrub move the view. It saves
 screenshots under ``artifacts/browser/`` (or ``$PAGEDKV_ARTIFACTS/browser/``) and prints where.
 
-Chromium is Debian's package at ``/usr/bin/chromium``; the ``chromium`` fixture installs it with apt when it
-is missing and we are root (as in CI), and skips with the reason only where it cannot be installed.
-Playwright drives it through ``executable_path`` (``playwright install`` is never run: its downloads are
-blocked). Facts this relies on are in ``/work/shared/notes/browser-testing.md``.
+Chromium is Debian's package at ``/usr/bin/chromium``; ``./lab setup`` installs it with apt-get where it can
+(as root, as in CI), and the ``chromium`` fixture skips, saying so, where it is missing. Playwright drives it
+through ``executable_path`` (``playwright install`` is never run: its downloads are blocked). Facts this
+relies on are in ``docs/browser-testing.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -62,34 +60,11 @@ RUN_TIMEOUT_MS = 240_000  # Run All on a lesson notebook (the widget cell may fo
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def chromium() -> str:
-    """Path to Debian's Chromium, installed with apt when missing (root + apt-get); otherwise skip."""
-    if os.path.exists(CHROMIUM):
-        return CHROMIUM
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip(f"Chromium is not at {CHROMIUM} and we are not root, so cannot apt-get install it")
-    if shutil.which("apt-get") is None:
-        pytest.skip(f"Chromium is not at {CHROMIUM} and there is no apt-get to install it with")
-    lock_path = Path("/tmp/pagedkv-apt-chromium.lock")
-    with open(lock_path, "w") as lock:  # pytest-xdist workers must not run apt at the same time
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(CHROMIUM):
-            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-            t0 = time.monotonic()
-            try:
-                proc = subprocess.run(
-                    "apt-get update && apt-get install -y chromium",
-                    shell=True,
-                    capture_output=True,
-                    text=True,
-                    timeout=900,
-                    env=env,
-                )
-            except subprocess.TimeoutExpired:
-                pytest.skip("apt-get install chromium did not finish in 900 s")
-            if proc.returncode != 0 or not os.path.exists(CHROMIUM):
-                tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
-                pytest.skip(f"cannot install Chromium with apt-get (exit {proc.returncode}): {' | '.join(tail)}")
-            print(f"\ninstalled Chromium with apt-get in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    """Path to Debian's Chromium, or skip saying how to get it: ``./lab setup`` installs it with apt-get where it
+    can (as root), so no test runs apt (under pytest-xdist two workers would run it at once)."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"Chromium is not at {CHROMIUM}: `./lab setup` installs it as root with apt-get "
+                    "(or run `apt-get install -y chromium`)")
     return CHROMIUM
 
 

@@ -113,3 +113,18 @@ def test_wrong_answer_fails_a_public_test_with_a_clear_message(wid, question, ol
     failures = [msg for q, _, ok, msg in results if not ok]
     assert failures, f"{wid}: no public test of {question} catches this mistake"
     assert phrase in failures[0], f"{wid}: the first failure does not say {phrase!r}: {failures[0]}"
+
+
+def test_a_call_that_rewrites_the_metadata_cannot_reach_the_reference() -> None:
+    """issue 19: the learner's call gets a deep copy of the step's metadata, so ``slot_mapping.fill_(-1)`` there
+    changes neither the reference's metadata nor the check's (it used to make both write slot -1 and agree)."""
+    from pagedkv.engine.attention import paged_attention_forward
+    from pagedkv.grading.lessons import l07_serving_engine as l07
+
+    def corrupting(module, query, key, value, attention_mask, scaling=None, pagedkv_metadata=None, **kwargs):
+        pagedkv_metadata.slot_mapping.fill_(-1)  # every token's k/v to the last slot, for both sides if shared
+        return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                       pagedkv_metadata=pagedkv_metadata)
+
+    with pytest.raises(AssertionError, match="differs from the reference"):
+        l07.check_attention_random_steps(corrupting)

@@ -46,6 +46,14 @@ def test_stub_fails_every_test_with_a_message() -> None:
 
 # (id, question, text in the solution, replaced by, a phrase the learner must see)
 WRONG = [
+    (  # issue 21: the pool's error, with the learner's own line (not a cut-off line of the library) and the hint
+        "all_or_nothing_asks_the_pool_anyway",
+        "allocate_slots",
+        "    if num_missing > manager.block_pool.get_num_free_blocks():\n        return None\n",
+        "",
+        "(in allocate_slots, line 11: new_blocks = manager.block_pool.get_new_blocks(num_missing)). Hint: 3 "
+        "block(s) are missing and only 2 free: all or nothing, so return None",
+    ),
     (
         "popleft_takes_tail",
         "free_queue",

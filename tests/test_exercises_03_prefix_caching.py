@@ -206,3 +206,15 @@ def test_run_all_goes_on_past_answers_that_raise() -> None:
         answers[q] = "\n".join(out)
     results = strict.grade(answers)
     assert results and not any(ok for _, _, ok, _ in results)
+
+
+def test_an_ordering_mistake_is_reported_by_the_ordering_case_only() -> None:
+    """issue 21: free_blocks putting every block at the tail fails the order case, and the bad-input case (which
+    checks the refusals) does not report an ordering error."""
+    old = "                    to_head.append(block)\n"
+    assert old in SOLUTIONS["eviction_on_reuse"]
+    wrong = SOLUTIONS["eviction_on_reuse"].replace(old, "                    self.free_block_queue.append(block)\n")
+    results = _grade({"eviction_on_reuse": wrong}, only={"eviction_on_reuse"}, public_only=True)
+    failures = [msg for q, _, ok, msg in results if not ok]
+    assert failures and "every block went to the tail" in failures[0], failures
+    assert not [m for m in failures if "after free_blocks([1])" in m], failures

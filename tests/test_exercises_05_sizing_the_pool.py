@@ -65,3 +65,13 @@ def test_an_argument_not_passed_on_is_named_before_a_look_alike() -> None:
     assert fixed != NB.solutions["predict_num_gpu_blocks"]
     first = _first_public_failure("predict_num_gpu_blocks", fixed)
     assert "Hint: that is the count with kv_cache_dtype='auto'" in first, first
+
+
+def test_two_mistakes_at_once_are_both_named() -> None:
+    """issue 21: a page without the factor 2 that also counts the query heads gets a hint naming both."""
+    both = NB.solutions["kv_page_bytes"].replace("return 2 * block_size *", "return block_size *").replace(
+        'config.get("num_key_value_heads") or heads', "heads")
+    assert both.count("heads") < NB.solutions["kv_page_bytes"].count("heads"), both
+    first = _first_public_failure("kv_page_bytes", both)
+    assert "Hint: two things at once. First, that is half the answer" in first, first
+    assert "Second, you used num_attention_heads" in first, first

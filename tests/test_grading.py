@@ -128,13 +128,13 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
                             []),
     "kernel_exits": (GOOD, ["import os\nos._exit(3)"]),
 }
-QUICK_LIMITS = {  # graded with a 5 s cell limit
+QUICK_LIMITS = {  # graded with a 20 s cell limit (the other cells take well under a second)
     "loop_in_cell": (_with(waste_percent=LOOPING_CELL), ["while True:\n    pass"]),
     "uninterruptible": (GOOD, ["import time\nwhile True:\n    try:\n        time.sleep(60)\n    except BaseException:\n"
                                "        pass"]),
 }
-SLOW_WASTE = (  # correct, 0.5 s per call (the checks allow 2 s per call): its 11 calls are past a 3 s budget per
-    # test case whatever the machine's load; a stub's test case waits milliseconds for the learner's code
+SLOW_WASTE = (  # correct, 0.5 s per call (the checks allow 2 s per call): the hidden case's 300 calls are far past
+    # a 20 s budget per test case whatever the machine's load, while the other exercises' cases need milliseconds
     "def waste_percent(lens, block_size):\n"
     "    import time\n"
     "    time.sleep(0.5)\n"
@@ -213,6 +213,35 @@ READS_REFERENCE = (  # the library's source, read from the repository and run
     f"    exec(open({REPO!r} + '/pagedkv/fragmentation.py').read(), ns)\n"
     "    return ns['contiguous_capacity'](pool_blocks, max_len, block_size)\n"
 )
+STEALS = (  # issue 19: find the --class folder from the grader's command line in /proc, or by walking the
+    # filesystem, and take another learner's paged_admission
+    "def paged_admission(lens, pool_blocks, block_size, policy='fcfs'):\n"
+    "    import json, os\n"
+    "    found = []\n"
+    "    for p in os.listdir('/proc'):\n"
+    "        try:\n"
+    "            args = open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')\n"
+    "        except OSError:\n"
+    "            continue\n"
+    "        found += [a.decode() for a in args if a.endswith(b'class') or a.endswith(b'.ipynb')]\n"
+    "    found.append('/')\n"
+    "    for top in found:\n"
+    "        for d, subs, files in os.walk(top):\n"
+    "            subs[:] = [s for s in subs if s not in ('usr', 'proc', 'sys', '.venv', '.pyenv', 'site-packages')]\n"
+    "            for f in files:\n"
+    "                if not f.endswith('.ipynb'):\n"
+    "                    continue\n"
+    "                try:\n"
+    "                    cells = json.load(open(os.path.join(d, f)))['cells']\n"
+    "                except Exception:\n"
+    "                    continue\n"
+    "                for c in cells:\n"
+    "                    src = ''.join(c.get('source', ''))\n"
+    "                    if src.startswith('def paged_admission') and '...' not in src and 'found' not in src:\n"
+    "                        ns = {}\n"
+    "                        exec(src, ns)\n"
+    "                        return ns['paged_admission'](lens, pool_blocks, block_size, policy)\n"
+)
 ATTACK_TARGETS = [f"grading/autograder/{FRAG}.zip", "pwned-by-a-learner.txt", f"exercises/{FRAG}.ipynb"]
 
 # ------------------------------------------------------------------- issue 9 §4: functions that misbehave
@@ -288,7 +317,8 @@ def graded(tmp_path_factory):
     quick = {name: make_variant(tmp / name, a, x) for name, (a, x) in QUICK_LIMITS.items()}
     slow = make_variant(tmp / "slow", {"waste_percent": SLOW_WASTE}, [])
     klass = tmp / "class"
-    variants["attacks"] = make_variant(klass / "mallory", {"blocks_needed": WRAPS_REFERENCE,
+    variants["alice"] = make_variant(klass / "alice", GOOD, [])  # whose answers mallory tries to take
+    variants["attacks"] = make_variant(klass / "mallory", {"blocks_needed": WRAPS_REFERENCE, "paged_admission": STEALS,
                                                            "contiguous_capacity": READS_REFERENCE}, ATTACK_CELLS)
     variants["misbehaving"] = make_variant(klass, MISBEHAVING, [], name=f"{FRAG}-bob.ipynb")
 
@@ -301,15 +331,15 @@ def graded(tmp_path_factory):
     main_paths += [str(tmp / "elsewhere"), str(tmp / "not_a_notebook")]
 
     start = time.monotonic()
-    long = ["--timeout", "1800", "-j", "2", "--no-progress"]
+    long = ["--timeout", "1800", "--no-progress"]
     calls = {
-        "main": (_pagedkv("grade", *main_paths, "--json", str(tmp / "main.json"), *long), tmp / "main.json"),
+        "main": (_pagedkv("grade", *main_paths, "--json", str(tmp / "main.json"), "-j", "2", *long), tmp / "main.json"),
         "class": (_pagedkv("grade", "--class", str(klass), "--csv", str(tmp / "class.csv"), "--json",
-                           str(tmp / "class.json"), *long), tmp / "class.json"),
+                           str(tmp / "class.json"), "-j", "1", *long), tmp / "class.json"),
         "quick": (_pagedkv("grade", *[str(p) for p in quick.values()], "--json", str(tmp / "quick.json"),
-                           "--cell-timeout", "5", *long), tmp / "quick.json"),
-        "slow": (_pagedkv("grade", str(slow), "--json", str(tmp / "slow.json"), "--case-timeout", "3", *long),
-                 tmp / "slow.json"),
+                           "--cell-timeout", "20", "-j", "1", *long), tmp / "quick.json"),
+        "slow": (_pagedkv("grade", str(slow), "--json", str(tmp / "slow.json"), "--case-timeout", "20", "-j", "1",
+                          *long), tmp / "slow.json"),
     }
     procs = {k: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp)
              for k, (cmd, _) in calls.items()}
@@ -609,8 +639,7 @@ def test_the_sandbox_refuses_6_gb_hides_the_repository_and_the_reference(graded)
     seen = json.loads(obs[0].split("OBS ", 1)[1].rsplit(" (line", 1)[0])
     assert seen["alloc6g"] == "MemoryError", seen
     assert seen["ref"] == "stub", seen  # the first exercise's sandbox: blocks_needed is a stub there
-    if os.geteuid() == 0:  # as root the sandbox runs as another user, in a mount namespace
-        assert seen["root"] is False and seen["repo"] in ("FileNotFoundError", "PermissionError"), seen
+    assert seen["root"] is False and seen["repo"] == "FileNotFoundError", seen  # not in the sandbox's filesystem
 
 
 @pytest.mark.slow
@@ -631,11 +660,11 @@ def test_slow_but_correct_function_fails_alone_saying_how_slow(graded):
     nb = _variant(graded, "slow")
     ex = _exercise(nb, "waste_percent")
     assert ex["score"] == 0
-    m = re.search(r"too slow: this test case waited ([\d.]+) s for your code, past the limit of 3 s for one test case "
+    m = re.search(r"too slow: this test case waited ([\d.]+) s for your code, past the limit of 20 s for one test case "
                   r"\((\d+) calls? of your functions, ([\d.]+) s per call on average, the slowest ([\d.]+) s\)",
                   ex["message"])
     assert m, ex["message"]
-    assert float(m.group(1)) >= 3 and int(m.group(2)) >= 1 and float(m.group(4)) >= 0.5
+    assert float(m.group(1)) >= 20 and int(m.group(2)) >= 1 and float(m.group(4)) >= 0.5
     assert all("too slow" not in e["message"] for e in nb["exercises"] if e["name"] != "waste_percent")
 
 
@@ -655,8 +684,9 @@ def test_notebook_still_running_at_its_timeout_fails_every_exercise(tmp_path):
 def test_class_csv_has_a_row_per_learner_and_exercise(graded):
     rows = graded["csv"]
     assert rows is not None and list(rows[0]) == classroom.CSV_COLUMNS
-    assert sorted({r["learner"] for r in rows}) == ["bob", "mallory"]
-    assert len(rows) == 8 and {r["set"] for r in rows} == {FRAG}
+    assert sorted({r["learner"] for r in rows}) == ["alice", "bob", "mallory"]
+    assert len(rows) == 12 and {r["set"] for r in rows} == {FRAG}
+    assert all(r["points"] == r["max"] for r in rows if r["learner"] == "alice")
     bob = {r["exercise"]: r for r in rows if r["learner"] == "bob"}
     assert bob["paged_admission"]["points"] == bob["paged_admission"]["max"] == "5"
     assert "SystemExit" in bob["blocks_needed"]["first failure"]
@@ -737,10 +767,8 @@ def test_run_turns_a_hang_into_a_failure_even_through_except_exception():
             except Exception:
                 pass
 
-    start = time.monotonic()
     with pytest.raises(AssertionError, match=r"spin\(\) did not return within 0\.3 s: is there an infinite loop\?"):
         checks.run(spin, timeout=0.3)
-    assert time.monotonic() - start < 5
 
 
 def test_run_reports_the_exception_and_the_line():
@@ -1000,24 +1028,24 @@ def test_every_exercise_hides_its_lessons_checks():
 
 @pytest.mark.slow
 def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
-    """Set 05: the library keeps private twins of the graded functions (``sizing._num_gpu_blocks``) for its own
-    callers. A learner's function that returns the twin's answer scores what the untouched stub scores."""
+    """Set 05: the library keeps private twins of the graded functions (``kv_cache_utils._num_gpu_blocks``) for
+    its own callers. A learner's function that returns the twin's answer scores what the untouched stub scores."""
     from pagedkv.grading import sandbox
 
     questions = {q.name: q for q in worker.load_tests(ROOT / "grading" / "autograder" / "05_sizing_the_pool.zip")}
-    assert "pagedkv.sizing._num_gpu_blocks" in questions["num_gpu_blocks"].reference
-    assert "pagedkv.sizing._analytic_profile" in questions["predict_num_gpu_blocks"].reference
+    assert "pagedkv.sizing.kv_cache_utils._num_gpu_blocks" in questions["num_gpu_blocks"].reference
+    assert "pagedkv.sizing.gpu_worker._analytic_profile" in questions["predict_num_gpu_blocks"].reference
     sandbox.copy_library(tmp_path / "copy", questions["num_gpu_blocks"].reference)
-    text = (tmp_path / "copy" / "pagedkv" / "sizing.py").read_text()
-    assert "'pagedkv.sizing._num_gpu_blocks' + ' is not available while grading" in text
+    text = (tmp_path / "copy" / "pagedkv" / "sizing" / "kv_cache_utils.py").read_text()
+    assert "'pagedkv.sizing.kv_cache_utils._num_gpu_blocks' + ' is not available while grading" in text
 
     scores = grade_variant(tmp_path, "05_sizing_the_pool", {
-        "num_gpu_blocks": "def num_gpu_blocks(*args):\n    from pagedkv.sizing import _num_gpu_blocks\n"
+        "num_gpu_blocks": "def num_gpu_blocks(*args):\n    from pagedkv.sizing.kv_cache_utils import _num_gpu_blocks\n"
                           "    return _num_gpu_blocks(*args)\n",
         "predict_num_gpu_blocks": (
             "def predict_num_gpu_blocks(config, weights_bytes, max_num_batched_tokens, total_memory,\n"
             "                           gpu_memory_utilization=0.92, block_size=16, kv_cache_dtype='auto'):\n"
-            "    from pagedkv.sizing import _analytic_profile\n"
+            "    from pagedkv.sizing.gpu_worker import _analytic_profile\n"
             "    return _analytic_profile(config, max_num_batched_tokens, block_size=block_size,\n"
             "        kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,\n"
             "        weights_memory=weights_bytes, total_memory=total_memory).num_gpu_blocks\n"),
@@ -1109,16 +1137,10 @@ def test_grade_notebook_here_finds_the_notebook(tmp_path, monkeypatch):
     assert progress.find_this_notebook({}) == nb  # the only NN_*.ipynb here
 
 
-def test_the_sandbox_reopens_a_private_clones_virtual_environment(tmp_path):
-    """A clone made in a private folder (``mktemp -d`` is 0700) holds the virtual environment whose Python the
-    sandbox user runs: the sandbox must put it back inside an enterable folder, as it does for /root's Python."""
-    from pagedkv.grading.sandbox import reopen_plan
-
-    venv = tmp_path / "clone" / "lab" / ".venv"
-    venv.mkdir(parents=True)
-    (tmp_path / "clone").chmod(0o700)
-    plan = reopen_plan([venv, Path("/usr/bin")])
-    assert list(plan.values()) == [[venv]], plan
-    (closed,) = plan
-    assert closed == tmp_path / "clone" or closed in (tmp_path / "clone").parents
-    assert reopen_plan([Path("/usr/bin")]) == {}
+@pytest.mark.parametrize("name", SETS)
+def test_every_set_ends_by_saying_how_to_grade_it(name):
+    """issue 21: every exercise notebook ends with a "Done?" section giving the command that grades it."""
+    nb = json.loads((ROOT / "grading" / "source" / f"{name}.ipynb").read_text())
+    last = "".join(nb["cells"][-1]["source"])
+    assert nb["cells"][-1]["cell_type"] == "markdown" and last.startswith("## Done?"), last[:80]
+    assert f"./lab grade exercises/{name}.ipynb" in last

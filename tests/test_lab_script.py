@@ -95,6 +95,8 @@ def run_lab(*args: str, venv: Path, **env: str) -> subprocess.CompletedProcess[s
         PAGEDKV_NVIDIA_PROC=str(venv / "no-such-proc-entry"),
         PAGEDKV_NVIDIA_SMI=str(venv / "no-such-nvidia-smi"),
         TORCH_CPU_INDEX=f"http://127.0.0.1:{_closed_port()}/whl/cpu",
+        PAGEDKV_CHROMIUM=str(venv / "no-such-chromium"),
+        PAGEDKV_APT_GET=str(venv / "no-such-apt-get"),  # set-up never runs the real apt-get here
     )
     base.update(env)
     return subprocess.run(["bash", str(LAB), *args], capture_output=True, text=True, env=base, timeout=120)
@@ -170,6 +172,20 @@ def test_set_up_runs_once(fake_venv: Path) -> None:
     n = len(pip_installs(fake_venv))
     assert run_lab("lint", venv=fake_venv).returncode == 0
     assert len(pip_installs(fake_venv)) == n  # the stamp is newer than pyproject.toml: nothing reinstalled
+
+
+def test_set_up_installs_chromium_with_apt_as_root_else_says_how(fake_venv: Path, tmp_path: Path) -> None:
+    """The browser test's Chromium comes from set-up (apt-get, as root), never from a pytest fixture."""
+    apt = tmp_path / "apt-get"
+    apt.write_text(f'#!/bin/sh\necho "apt-get $*" >> {tmp_path / "apt.log"}\n')
+    apt.chmod(0o755)
+    r = run_lab("setup", venv=fake_venv, PAGEDKV_APT_GET=str(apt))
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "apt.log").read_text().splitlines() if (tmp_path / "apt.log").exists() else []
+    if os.geteuid() == 0:
+        assert log == ["apt-get update -qq", "apt-get install -y -qq chromium"], log
+    else:
+        assert log == [] and "as root: apt-get install -y chromium" in r.stdout
 
 
 # --- which torch -----------------------------------------------------------------------------------------
@@ -251,6 +267,7 @@ def test_open_without_a_display_prints_the_url_and_does_not_open_a_browser(fake_
     assert "--IdentityProvider.token=abc123" in args and "--ServerApp.port_retries=0" in args
     assert "--port=8899" in args, "the server listens where the printed URL points"
     assert "--ServerApp.log_level=WARN" in args, "JupyterLab's own lines would show the address with token=..."
+    assert "--LabApp.log_level=WARN" in args, "the LabApp extension logs its [I ...] start-up lines on its own"
     assert "ssh -N" not in r.stdout
 
 

@@ -70,3 +70,16 @@ def test_readme_links_and_pictures_resolve():
     missing = [link for link in local if not (ROOT / link.split("#")[0]).exists()]
     assert not missing, f"README links to missing files: {missing}"
     assert "![" in text and "docs/img/filmstrip.svg" in text
+
+
+def test_the_repository_names_no_design_note_it_does_not_contain():
+    """Code and docs cite the design notes in docs/ (design.md, browser-testing.md, ...), never a file that
+    lives outside the repository (the workshop's LAB_DESIGN.md or its notes folder)."""
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    outside = ("LAB_DESIGN", "/work/shared", "shared/notes/")
+    offenders = [path for path in out if path.endswith((".py", ".md", ".ipynb", ".toml", ".yml"))
+                 and path != "tests/test_packaging.py" and (ROOT / path).is_file()
+                 and any(s in (ROOT / path).read_text(errors="replace") for s in outside)]
+    assert not offenders, offenders
+    for note in ("design.md", "browser-testing.md", "vllm-core-on-cpu.md"):
+        assert (ROOT / "docs" / note).is_file(), note

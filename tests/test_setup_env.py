@@ -138,12 +138,12 @@ def test_prepare_reports_this_machine(capsys) -> None:
 # --- the set-up cell and the badge -----------------------------------------------------------------------
 def test_the_set_up_cell_installs_through_the_script_when_pagedkv_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     source = colab_cells.setup_cell_source()
-    assert len(source.splitlines()) <= 20, "the cell stays short: the logic lives in pagedkv/setup_env.py"
+    assert len(source.splitlines()) <= 24, "the cell stays short: the logic lives in pagedkv/setup_env.py"
     fetched: list[str] = []
     ran: list[tuple[list[str], dict[str, Any]]] = []
 
     class Response:
-        def __init__(self, url: str) -> None:
+        def __init__(self, url: str, timeout: float | None = None) -> None:
             fetched.append(url)
 
         def read(self) -> bytes:
@@ -162,7 +162,8 @@ def test_the_set_up_cell_installs_through_the_script_when_pagedkv_is_missing(mon
     namespace: dict[str, Any] = {}
     exec(compile(source, "<set-up cell>", "exec"), namespace)
     assert fetched == [raw_url("pagedkv/setup_env.py", REPO_URL)]
-    assert ran == [([sys.executable, "-", "install"], {"input": SCRIPT.read_bytes(), "check": True})]
+    install = [sys.executable, "-", "install", "--repo", REPO_URL]
+    assert ran == [(install, {"input": SCRIPT.read_bytes(), "check": True})]
     assert loaded == ["/site-a", "/site-b"], "the new install's .pth hooks are run in the kernel"
     assert namespace["report"].dtype == "float32"
 
@@ -193,6 +194,7 @@ def test_colab_cells_is_idempotent_and_keeps_the_rest() -> None:
 def test_colab_cells_check_flags_and_then_fixes_a_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys) -> None:  # fmt: skip
     monkeypatch.setattr(colab_cells, "ROOT", tmp_path)  # a stand-in repository
+    (tmp_path / "pyproject.toml").write_text('[project.urls]\nRepository = "https://github.com/o/r"\n')
     (tmp_path / "notebooks").mkdir()
     path = tmp_path / "notebooks" / "09_x.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# A lesson")]), path)
@@ -219,3 +221,48 @@ def test_lessons_carry_the_current_set_up_cell() -> None:
             stale.append(path.name)
     assert not stale, f"run: .venv/bin/python tools/colab_cells.py {' '.join('notebooks/' + s for s in stale)}"
     assert "00_primer.ipynb" in {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
+
+
+# --- where the course is published: one place, and a clear stop when it does not answer (issue 21, item 9) ----
+def test_the_badge_and_the_set_up_cell_take_the_address_from_pyproject(tmp_path: Path, monkeypatch) -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert f'Repository = "{REPO_URL}"' in text.split("[project.urls]", 1)[1].split("\n[", 1)[0]
+    assert setup_env.published_repo_url(ROOT) == REPO_URL
+    fork = fake_checkout(tmp_path / "fork")
+    (fork / "pyproject.toml").write_text('[project]\nname = "pagedkv-lab"\n\n[project.urls]\nRepository = '
+                                         '"https://github.com/me/my-fork"\n\n[tool.x]\nRepository = "no"\n')
+    monkeypatch.setattr(colab_cells, "ROOT", fork)
+    lesson = fork / "notebooks" / "01_x.ipynb"
+    assert colab_cells.colab_url(lesson) == "https://colab.research.google.com/github/me/my-fork/blob/main/notebooks/01_x.ipynb"
+    assert 'REPO = "https://github.com/me/my-fork"' in colab_cells.setup_cell_source()
+    (fork / "pyproject.toml").write_text('[project]\nname = "pagedkv-lab"\n')
+    with pytest.raises(SystemExit, match=r"\[project.urls\]"):
+        colab_cells.setup_cell_source()
+
+
+def test_the_set_up_cell_stops_with_what_to_set_when_the_address_does_not_answer(monkeypatch) -> None:
+    """A repository that does not exist (or no network): no HTTPError traceback, but what to change."""
+    import urllib.error
+
+    def not_found(url: str, timeout: float | None = None):
+        raise urllib.error.HTTPError(url, 404, "Not Found", None, None)  # type: ignore[arg-type]
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pagedkv" else real_find_spec(name, *a)
+    )
+    monkeypatch.setattr(urllib.request, "urlopen", not_found)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("nothing to install"))
+    with pytest.raises(SystemExit) as stop:
+        exec(compile(colab_cells.setup_cell_source("https://github.com/nobody/nothing"), "<set-up cell>", "exec"), {})
+    message = str(stop.value)
+    assert "raw.githubusercontent.com/nobody/nothing/main/pagedkv/setup_env.py" in message and "404" in message
+    assert "Set REPO above" in message and "Publishing a fork" in message
+    assert stop.value.__suppress_context__, "shown without the HTTPError's traceback"
+
+
+def test_the_script_outside_a_checkout_needs_a_repository(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        setup_env.main(["install", "--dry-run", "--repo", ""], run=lambda *a, **k: pytest.fail("nothing to run"))
+    assert "--repo" in capsys.readouterr().err

@@ -335,9 +335,15 @@ def test_profile_bad_input(tiny_llama, kwargs, match):
         profile(tiny_llama, 256, **kwargs)
 
 
-def test_cudagraph_batch_sizes_are_vllms_defaults_and_checked(tiny_llama):
-    sizes = sizing.DEFAULT_CUDAGRAPH_BATCH_SIZES  # vllm/config/vllm.py::VllmConfig._set_cudagraph_sizes, 256 seqs
-    assert sizes[:4] == (1, 2, 4, 8) and sizes[-1] == 512 and 248 in sizes and 256 in sizes and 264 not in sizes
+def test_cudagraph_batch_sizes_are_the_engines_and_checked(tiny_llama):
+    """One list of capture sizes: the profile estimates the graphs the engine captures (model_runner's
+    cudagraph_capture_sizes, vllm/config/vllm.py::VllmConfig._set_cudagraph_sizes's pattern)."""
+    from pagedkv.engine.model_runner import cudagraph_capture_sizes
+
+    for seqs in (1, 3, 256, 1000):
+        assert sizing.default_cudagraph_batch_sizes(seqs) == tuple(cudagraph_capture_sizes(seqs))
+    sizes = sizing.default_cudagraph_batch_sizes(256)
+    assert sizes[:4] == (1, 2, 4, 8) and 248 in sizes and 256 in sizes and 264 not in sizes
     with pytest.raises(ValueError, match="cudagraph_batch_sizes"):
         profile(tiny_llama, 256, cuda_graphs=True, cudagraph_batch_sizes=(0, 4))
 

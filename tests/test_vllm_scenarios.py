@@ -5,7 +5,7 @@ Each test names the vLLM test it follows (``tests/v1/core/test_scheduler.py``, `
 ``num_computed_tokens``, preempted ids, queue contents, free-queue order and counters. Where our API differs
 (one KV cache group, so a block table is a flat list; ``update_from_output`` takes ``{req_id: token}``; the
 block hashes are computed by the manager rather than by the ``Request``), the scenario is translated and the
-expected answer is the one vLLM's rules give. Where LAB_DESIGN.md specifies a different rule, the test says
+expected answer is the one vLLM's rules give. Where docs/design.md specifies a different rule, the test says
 so in a comment and checks ours.
 """
 
@@ -918,14 +918,14 @@ def test_free_kv_cache_block_queue_operations():
     assert q.num_free_blocks == 0
     assert q.fake_free_list_head.next_free_block is q.fake_free_list_tail
     assert q.fake_free_list_tail.prev_free_block is q.fake_free_list_head
-    # vLLM's message is exactly "No free blocks available"; ours starts with it (LAB_DESIGN: a ValueError).
+    # vLLM's message is exactly "No free blocks available"; ours starts with it (docs/design.md: a ValueError).
     with pytest.raises(ValueError, match="^No free blocks available"):
         q.popleft()
 
 
 def test_free_kv_cache_block_queue_append_n_popleft_n_and_order():
     # vLLM: test_free_kv_cache_block_queue_append_n, _popleft_n, _get_all_free_blocks (and prepend_n, which
-    # LAB_DESIGN names appendleft_n).
+    # docs/design.md names appendleft_n).
     q = FreeKVCacheBlockQueue([])
     blocks = [KVCacheBlock(i) for i in range(6)]
     q.append_n([])

@@ -289,7 +289,7 @@ def test_svg_renders_every_frame(rec: TraceRecorder) -> None:
         svg = frame_to_svg(rec.frames, k, title="demo")
         root = ET.fromstring(svg)  # well-formed XML
         assert root.tag.endswith("svg") and root.get("class") == "pkv-static-svg"
-        assert "demo" in svg and f"frame {k} of {len(rec.frames) - 1}" in svg
+        assert "demo" in svg and f"frame {k} (of 0–{len(rec.frames) - 1})" in svg
         caption = view_frame(f, k)["caption"]
         assert caption.replace("&", "&amp;")[:40] in svg
         for _, role in view_frame(f, k)["hl"]:
@@ -349,7 +349,7 @@ def test_widget_state(rec: TraceRecorder) -> None:
     assert BlockTableWidget(rec, frame=0).frame == 0
     assert BlockTableWidget(rec.frames, frame=-2).frame == n - 2
     w.frame = 3
-    assert "frame 3 of" in w.to_svg()
+    assert "frame 3 (of 0–" in w.to_svg()
     with pytest.raises(Exception, match="frame must be in"):
         w.frame = n
     assert w.frame == 3
@@ -404,11 +404,11 @@ def test_display_publishes_widget_and_static_picture(rec: TraceRecorder, monkeyp
     assert len(published) == 1
     published.clear()
     BlockTableWidget.from_recorder(rec, frame=0, static_frame=3)._ipython_display_()
-    assert "frame 3 of" in published[1][0]["image/svg+xml"], "static_frame picks the picture's frame"
+    assert "frame 3 (of 0–" in published[1][0]["image/svg+xml"], "static_frame picks the picture's frame"
     published.clear()
     BlockTableWidget.from_recorder(rec, frame=0, static_frame=-1)._ipython_display_()
-    assert f"frame {n - 1} of" in published[1][0]["image/svg+xml"], "static_frame=-1: the last frame"
-    assert published[1][0]["text/plain"].startswith(f"[block table, frame {n - 1} of {n - 1}:")
+    assert f"frame {n - 1} (of 0–{n - 1})" in published[1][0]["image/svg+xml"], "static_frame=-1: the last frame"
+    assert published[1][0]["text/plain"].startswith(f"[block table, frame {n - 1} (of 0–{n - 1}):")
 
 
 def _svg_in_html(html: str) -> list[str]:
@@ -421,9 +421,9 @@ def test_static_bundle_is_the_current_frame(rec: TraceRecorder) -> None:
     w = BlockTableWidget.from_recorder(rec)
     w.frame = 2
     bundle = w.static_mimebundle()
-    assert 'data-frame-index="2"' in bundle["text/html"] and "frame 2 of" in bundle["image/svg+xml"]
+    assert 'data-frame-index="2"' in bundle["text/html"] and "frame 2 (of 0–" in bundle["image/svg+xml"]
     assert _svg_in_html(bundle["text/html"]) == [bundle["image/svg+xml"]]
-    assert "frame 4 of" in w.static_mimebundle(4)["image/svg+xml"]
+    assert "frame 4 (of 0–" in w.static_mimebundle(4)["image/svg+xml"]
 
 
 def test_javascript_parses() -> None:
@@ -569,7 +569,7 @@ def test_filmstrip_svg_has_a_panel_per_key_frame_and_unique_ids() -> None:
     assert len(panels) == len(picks)
     for (k, label), panel in zip(picks, panels, strict=True):
         text = ET.tostring(panel, encoding="unicode")
-        assert f"frame {k} of {len(views) - 1}" in text
+        assert f"frame {k} (of 0–{len(views) - 1})" in text
         assert f"{label} (frame {k})" in svg
     all_ids = [el.get("id") for el in root.iter() if el.get("id")]
     assert len(all_ids) == len(set(all_ids)), "ids repeat: panels would borrow each other's clip paths"

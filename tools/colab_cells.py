@@ -6,9 +6,12 @@
 The badge (a markdown cell tagged ``pagedkv-colab-badge``) opens the notebook from GitHub in Colab. The set-up
 cell (a code cell tagged ``pagedkv-setup``) installs the lab where ``pagedkv`` cannot be imported (it runs
 ``pagedkv/setup_env.py`` as a script, downloaded from the repository) and then calls
-``pagedkv.setup_env.prepare()``. Running the tool again replaces both cells with their current text and
-leaves everything else, outputs included, as it was; a notebook already up to date is not rewritten. The set-up
-cell's outputs are kept when its text is unchanged; re-execute the notebook after a change.
+``pagedkv.setup_env.prepare()``. Both take the repository's address from one place, ``Repository`` under
+``[project.urls]`` in pyproject.toml: a fork sets its own there and runs this tool again. Where that address
+does not answer, the set-up cell stops with what to set, instead of a 404 traceback. Running the tool again
+replaces both cells with their current text and leaves everything else, outputs included, as it was; a
+notebook already up to date is not rewritten. The set-up cell's outputs are kept when its text is unchanged;
+re-execute the notebook after a change.
 """
 
 from __future__ import annotations
@@ -22,18 +25,26 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedkv.setup_env import BRANCH, REPO_URL, raw_url  # noqa: E402
+from pagedkv.setup_env import BRANCH, published_repo_url  # noqa: E402
 
 BADGE_TAG = "pagedkv-colab-badge"
 SETUP_TAG = "pagedkv-setup"
 
 
-def colab_url(notebook: Path, repo_url: str = REPO_URL, branch: str = BRANCH) -> str:
+def repo_url() -> str:
+    """pyproject.toml's ``[project.urls] Repository``: where the course is published."""
+    url = published_repo_url(ROOT)
+    if not url or not url.startswith("https://github.com/"):
+        raise SystemExit(f"{ROOT / 'pyproject.toml'}: set Repository = \"https://github.com/OWNER/NAME\" under "
+                         f"[project.urls] (the badges and set-up cells open the lessons from there); found {url!r}")
+    return url.rstrip("/")
+
+
+def colab_url(notebook: Path, repo: str | None = None, branch: str = BRANCH) -> str:
     """Colab's address for ``notebook`` (a path inside the repository) on GitHub."""
     rel = notebook.resolve().relative_to(ROOT).as_posix()
-    return (
-        f"https://colab.research.google.com/github/{repo_url.removeprefix('https://github.com/')}/blob/{branch}/{rel}"
-    )
+    owner_name = (repo or repo_url()).removeprefix("https://github.com/")
+    return f"https://colab.research.google.com/github/{owner_name}/blob/{branch}/{rel}"
 
 
 def badge_source(notebook: Path) -> str:
@@ -43,10 +54,10 @@ def badge_source(notebook: Path) -> str:
     )
 
 
-def setup_cell_source() -> str:
+def setup_cell_source(repo: str | None = None) -> str:
     """The set-up cell: short; its logic lives in ``pagedkv/setup_env.py`` (tested in tests/test_setup_env.py)."""
-    return f"""# Set-up. Where the lab is not installed (Colab, or a kernel other than the lab's .venv), this
-# fetches its set-up script, which clones the repository and pip-installs it (about a minute).
+    return f"""# Set-up. Where the lab is not installed (Colab, or a kernel other than the lab's .venv), this fetches
+# its set-up script from REPO, which clones the repository and pip-installs it (about a minute).
 # Elsewhere it only checks the machine.
 import importlib.util
 import site
@@ -54,9 +65,15 @@ import subprocess
 import sys
 import urllib.request
 
+REPO = "{repo or repo_url()}"  # where the course is published (README: "Publishing a fork")
 if importlib.util.find_spec("pagedkv") is None:
-    script = urllib.request.urlopen("{raw_url("pagedkv/setup_env.py")}").read()
-    subprocess.run([sys.executable, "-", "install"], input=script, check=True)
+    url = REPO.replace("https://github.com/", "https://raw.githubusercontent.com/") + "/{BRANCH}/pagedkv/setup_env.py"
+    try:
+        script = urllib.request.urlopen(url, timeout=60).read()
+    except OSError as exc:  # a 404 (no such repository), or no network
+        raise SystemExit(f"{{url}}: {{exc}}. Set REPO above to the GitHub address this notebook comes from "
+                         "and run this cell again (a fork: README, 'Publishing a fork').") from None
+    subprocess.run([sys.executable, "-", "install", "--repo", REPO], input=script, check=True)
     for path in site.getsitepackages():  # load the new install without restarting the kernel
         site.addsitedir(path)
 from pagedkv.setup_env import prepare

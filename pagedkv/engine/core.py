@@ -59,6 +59,7 @@ class EngineCoreRequest:
     sampling_params: Any  # pagedkv.engine.SamplingParams
     arrival_time: float | None = None
     priority: int = 0
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM's ``cache_salt``)
 
 
 @dataclass
@@ -131,7 +132,8 @@ class EngineCore:
         Its stop tokens are ``stop_token_ids`` plus the model's EOS ids unless ``ignore_eos``.
         Mirrors ``EngineCore.add_request``."""
         params = request.sampling_params
-        kwargs: dict[str, Any] = {"priority": request.priority, "sampling_params": params}
+        kwargs: dict[str, Any] = {"priority": request.priority, "sampling_params": params,
+                                  "cache_salt": request.cache_salt}
         if request.arrival_time is not None:
             kwargs["arrival_time"] = request.arrival_time
         req = Request(request.request_id, request.prompt_token_ids, params.max_tokens, **kwargs)

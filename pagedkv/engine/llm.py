@@ -17,10 +17,12 @@ loop, one step at a time: the same tokens either way. ``n > 1`` is ``n`` request
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.async_scheduler import AsyncScheduler
@@ -31,8 +33,9 @@ from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.kv_cache_manager import KVCacheManager, cdiv
+from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
+from pagedkv.utils import cdiv
 
 #: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE).
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -73,6 +76,24 @@ def batch_defaults(device: torch.device) -> tuple[int, int]:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_token_list(p: object) -> bool:
+    """Whether ``p`` is one prompt of token ids rather than a list of prompts: a non-empty sequence whose first
+    element is a number (its elements are checked by :func:`_token_ids`)."""
+    return (isinstance(p, Sequence) and not isinstance(p, (str, bytes, bytearray)) and len(p) > 0
+            and isinstance(p[0], (numbers.Number, np.generic)))
+
+
+def _token_ids(i: int, p: Sequence[Any] | np.ndarray) -> list[int]:
+    """Prompt ``i``'s token ids as Python ints: every integer type is accepted (numpy's too), a bool or any
+    other element is refused by position (``ValueError``)."""
+    values = p.tolist() if isinstance(p, np.ndarray) else list(p)
+    for j, t in enumerate(values):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"prompt {i}: element {j} is {t!r} ({type(t).__name__}), not a token id: token ids "
+                             "are ints (numpy integers too; bools are refused)")
+    return [int(t) for t in values]
 
 
 @dataclass
@@ -123,6 +144,8 @@ class LLM:
         num_cpu_blocks: int | None = None,
         enforce_eager: bool = False,
         tokenizer: Any = None,
+        tensor_parallel_size: int = 1,
+        kv_cache_memory_bytes: int | Sequence[int] | None = None,
         async_scheduling: bool = True,
     ) -> None:
         for name, value in (("block_size", block_size), ("seed", seed)) + (
@@ -173,32 +196,48 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.memory_profile = None
-        if num_gpu_blocks is None:
-            num_gpu_blocks = self._size_pool(
-                gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager)
-        elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
-        self.num_gpu_blocks = num_gpu_blocks
-        if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
-            num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
-                if preemption_mode == "swap" else 0
+        if num_gpu_blocks is None and _is_int(kv_cache_memory_bytes) and tensor_parallel_size == 1:
+            num_gpu_blocks = max(2, kv_cache_memory_bytes // self._block_bytes())  # vLLM's kv_cache_memory_bytes
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
         self.async_scheduling = async_scheduling
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
-        # vLLM 0.26: SchedulerConfig.get_scheduler_cls() gives AsyncScheduler when async_scheduling is on
-        scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(
-            self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
-            preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
-        )
-        self.runner = ModelRunner(
-            self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
-            num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
-            use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
-            sampler=Sampler(make_generator(seed, self.device)),
-        )
-        self.model_executor = UniProcExecutor(self.runner, async_scheduling=async_scheduling)
+        self.executor = None
+        try:
+            self.executor = self._start_executor(tensor_parallel_size) if tensor_parallel_size != 1 else None
+            if self.executor is not None and num_gpu_blocks is None:  # lesson 10: each rank's count, the minimum
+                num_gpu_blocks = self.executor.determine_num_blocks(block_size, kv_cache_memory_bytes,
+                                                                    gpu_memory_utilization)
+            if num_gpu_blocks is None:
+                num_gpu_blocks = self._size_pool(
+                    gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager)
+            elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
+                raise ValueError(
+                    f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
+            self.num_gpu_blocks = num_gpu_blocks
+            if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
+                num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
+                    if preemption_mode == "swap" else 0
+            self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+            # vLLM 0.26: SchedulerConfig.get_scheduler_cls() gives AsyncScheduler when async_scheduling is on
+            scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+            self.scheduler = scheduler_cls(
+                self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
+                preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
+            )
+            if self.executor is not None:  # lesson 10: every rank allocates its shard of the same pool
+                self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks, block_size, max_model_len,
+                                               self.attn_backend, max_num_seqs)
+            self.runner = self.executor or ModelRunner(
+                self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
+                num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
+                use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
+                sampler=Sampler(make_generator(seed, self.device)),
+            )
+        except BaseException:
+            self.shutdown()  # no worker outlives a failed start
+            raise
+        # the tensor-parallel executor (lesson 10) or the one runner in this process
+        self.model_executor = self.executor or UniProcExecutor(self.runner, async_scheduling=async_scheduling)
         self.eos_token_ids = self._eos_token_ids()
         self.engine_core = EngineCore(
             self.scheduler, self.model_executor, eos_token_ids=self.eos_token_ids,
@@ -209,6 +248,30 @@ class LLM:
     # ------------------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------------------
+    def _start_executor(self, tensor_parallel_size: int):
+        """Lesson 10: ``tensor_parallel_size`` worker processes, each holding its shard of the model and of the
+        KV cache (:class:`~pagedkv.engine.multiproc_executor.MultiprocExecutor`); ``ValueError`` before any
+        starts when the model does not split that way."""
+        from pagedkv.distributed.shard import check_shardable
+        from pagedkv.engine.multiproc_executor import MultiprocExecutor
+
+        if not _is_int(tensor_parallel_size) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        check_shardable(self.model.config, tensor_parallel_size)
+        return MultiprocExecutor(self.model, tensor_parallel_size, self.device.type)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done when the engine is collected or the
+        process exits). Mirrors ``LLM.shutdown`` / ``EngineCore.shutdown``."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @staticmethod
     def _load(model: Any, dtype: torch.dtype | None, device: torch.device | None, tokenizer: Any):
         """The model (checked to be a supported architecture before any weight is loaded) and a tokenizer
@@ -294,8 +357,9 @@ class LLM:
     def _tokenize(self, prompts: Any) -> tuple[list[list[int]], list[str | None]]:
         """Each prompt's token ids and text. A prompt is a string, a list of token ids, or vLLM's dict forms
         ``{"prompt": text}`` (``TextPrompt``) and ``{"prompt_token_ids": ids}`` (``TokensPrompt``)."""
-        if isinstance(prompts, (str, Mapping)) or (
-                isinstance(prompts, Sequence) and prompts and all(map(_is_int, prompts))):
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
             raise ValueError("prompts must be a string, a list of token ids, a {'prompt_token_ids': ...} or "
@@ -317,8 +381,8 @@ class LLM:
                     raise ValueError("text prompts need a tokenizer; this model has none: pass token ids")
                 tokens = list(self.tokenizer(p)["input_ids"])
                 texts.append(p)
-            elif isinstance(p, Sequence) and all(map(_is_int, p)):
-                tokens = list(p)
+            elif _is_token_list(p) or isinstance(p, np.ndarray):
+                tokens = _token_ids(i, p)
                 texts.append(None)
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
@@ -363,6 +427,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_ids) or not all(isinstance(p, SamplingParams) for p in params_list):
                 raise ValueError(f"give one SamplingParams, or one per prompt ({len(prompt_ids)})")
+        # checked again now, so a field changed after construction is refused; the engine keeps its own copies
+        params_list = [p.verified() for p in params_list]
         clamped = []
         for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
             # vLLM 0.26 lets the request run and ends it at max_model_len (check_stop: FINISHED_LENGTH_CAPPED,
@@ -374,15 +440,15 @@ class LLM:
         completions: dict[str, _Completion] = {}
         core = self.engine_core
         core.tokenizer_eos_token_id = getattr(self.tokenizer, "eos_token_id", None)  # the tokenizer may change
+        requests = []
         for i, (ids, params, max_tokens) in enumerate(zip(prompt_ids, params_list, clamped, strict=True)):
             base = f"{self._next_id + i}"
             for j in range(params.n):  # vLLM's ParentRequest: n requests, seeds seed + j
                 child = params.for_child(j) if params.n > 1 else params
                 rid = base if j == 0 else f"{base}-{j}"
-                core.add_request(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens)))
+                requests.append(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens)))
                 completions[rid] = _Completion(i, j)
         self._next_id += len(prompt_ids)
-
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(prompt_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
@@ -390,6 +456,8 @@ class LLM:
         unfinished = set(completions)
         idle = 0
         try:
+            for request in requests:
+                core.add_request(request)
             while unfinished:
                 outputs, executed = core.step_fn()
                 for out in outputs.outputs if outputs is not None else ():

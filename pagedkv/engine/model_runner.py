@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.block_table import make_block_table_tensor
 from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
 from pagedkv.sched_output import SchedulerOutput
 
@@ -154,13 +155,6 @@ def bucket_for(batch_size: int, capture_sizes: Sequence[int]) -> int | None:
     return None
 
 
-def padded_block_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The requests' block tables as one ``[B, W]`` int32 tensor, ``W`` the longest, shorter rows padded with the
-    null block 0 (read by nobody: entries past a request's ``seq_len`` are never read)."""
-    width = max(len(t) for t in block_tables)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-
-
 @dataclass
 class InputBatch:
     """One step's inputs on the runner's device, in batch order (the scheduling order), built by
@@ -216,7 +210,7 @@ class InputBatch:
             idx_mapping=t(idx_mapping if idx_mapping is not None else range(b), torch.int32),
             input_ids=t(inputs.input_ids, torch.long), positions=t(inputs.positions, torch.long),
             slot_mapping=t(inputs.slot_mapping, torch.long),
-            block_tables=padded_block_tables(inputs.block_tables).to(device, non_blocking=True),
+            block_tables=make_block_table_tensor(inputs.block_tables).to(device, non_blocking=True),
             seq_lens=t(inputs.seq_lens, torch.int32), query_start_loc=t(inputs.query_start_loc, torch.int32),
             logits_indices=t(inputs.logits_indices, torch.long), sample_req_ids=list(inputs.sample_req_ids),
             seq_lens_host=list(inputs.seq_lens), query_start_loc_host=list(inputs.query_start_loc),
@@ -452,7 +446,7 @@ class ModelRunner:
         slot_mapping_impl: str | None = None,
     ) -> None:
         from pagedkv.engine.block_table import BlockTables
-        from pagedkv.engine.sampler import Sampler
+        from pagedkv.engine.sampler import Sampler, make_generator
 
         if input_prep not in INPUT_PREPS:
             raise ValueError(f"input_prep must be one of {INPUT_PREPS}, got {input_prep!r}")
@@ -491,7 +485,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._free_slots = list(range(self.max_num_reqs - 1, -1, -1))
         self.last_sampled_tokens = torch.zeros(self.max_num_reqs, dtype=torch.long, device=self.device)  # [R]
-        self.sampler = sampler if sampler is not None else Sampler()
+        # unseeded requests draw from one generator with a fixed seed, so every tensor-parallel rank draws alike
+        self.sampler = sampler if sampler is not None else Sampler(make_generator(0, self.device))
         # Kept from a request's arrival to its finish, across preemptions (its state is not): the seeded
         # requests' generators and every request's sampling parameters.
         self.generators: dict[str, torch.Generator] = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pagedkv.utils import check_int
+
 #: The smallest temperature above 0: vLLM 0.26 raises ``0 < t < 1e-2`` to ``1e-2`` (``_MAX_TEMP``).
 MIN_TEMPERATURE = 1e-2
 
@@ -31,36 +33,54 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        if not is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not 0.0 <= self.temperature <= 2.0:  # also refuses NaN and inf
-            raise ValueError(f"temperature must be >= 0 and at most 2 (0 is greedy), got {self.temperature}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= 0 (0 or -1: no limit), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (str, bytes, list)):
+            try:  # any iterable of ids (a tuple, a set, a generator), read once
+                self.stop_token_ids = list(self.stop_token_ids)
+            except TypeError:
+                raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}") from None
+        self._verify_args()
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if self.stop_token_ids is not None:
-            ids = list(self.stop_token_ids)
-            if not all(is_int(t) and t >= 0 for t in ids):
-                raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
-            self.stop_token_ids = ids
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM raises it (with a warning): smaller overflows
             self.temperature = MIN_TEMPERATURE
         if self.temperature == 0.0:  # greedy: the limits mean nothing
             self.top_k, self.top_p = 0, 1.0
+
+    def _verify_args(self) -> None:
+        """``ValueError`` naming the first invalid field and its valid range; changes nothing. Runs at
+        construction and again (through :meth:`verified`) when a request is queued, so a field changed after
+        construction is checked too. Mirrors ``SamplingParams._verify_args`` (``vllm/sampling_params.py``)."""
+        check_int(self.n, "n", 1)
+        check_int(self.max_tokens, "max_tokens", 1)
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not 0.0 <= self.temperature <= 2.0:  # also refuses NaN and inf
+            raise ValueError(f"temperature must be >= 0 and at most 2 (0 is greedy), got {self.temperature}")
+        check_int(self.top_k, "top_k", -1, why="0 or -1: no limit")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and self.seed != -1:
+            # completion i of n is seeded with seed + i; torch.Generator.manual_seed takes -2**63 .. 2**64 - 1
+            check_int(self.seed, "seed", -(2**63), 2**64 - self.n,
+                      why=f"None or -1 for no seed; completion i of n={self.n} uses seed + i, and torch.Generator "
+                      "takes -2**63 .. 2**64 - 1")
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)):
+                raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+            for t in self.stop_token_ids:
+                check_int(t, "each of stop_token_ids", 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    def verified(self) -> SamplingParams:
+        """A checked, normalised copy (``ValueError`` if a field was set to an invalid value after
+        construction): what the engine keeps for a request, so changing this object later changes nothing
+        already queued. The lab's own; vLLM's ``LLM`` copies the parameters too (``SamplingParams.clone``)."""
+        return replace(self)
 
     @property
     def is_greedy(self) -> bool:

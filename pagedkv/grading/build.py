@@ -22,7 +22,12 @@ notebook's metadata and the zip's ``questions.json``.
 The outputs are made byte-for-byte reproducible (cell ids derived from the cells' content, no outputs or
 execution counts, zip entries sorted with a fixed date and mode), so ``pagedkv build-exercises --check``
 can rebuild into memory and report any committed file that differs: the sign that a source changed and
-``./lab exercises`` was not run. Otter's Gradescope files (setup.sh, environment.yml, run_autograder) are
+``./lab exercises`` was not run. A rebuild never overwrites a notebook with someone's work in it: the zip records
+the sha256 of the two notebooks it was built with (``GENERATED_FILE``), and a notebook that differs both from
+the new build and from that record (a learner's answers, or a notebook opened and saved) is refused, the whole
+build writing nothing, unless ``--force`` is given (which keeps a copy under ``.pagedkv/replaced/``).
+
+Otter's Gradescope files (setup.sh, environment.yml, run_autograder) are
 left out: they pin otter's own version, which would make the check fail whenever otter is upgraded, and
 ``otter run`` does not read them (an instructor who wants Gradescope runs ``otter assign`` on the source).
 """
@@ -34,7 +39,9 @@ import hashlib
 import io
 import json
 import re
+import shutil
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +50,7 @@ import nbformat
 
 __all__ = [
     "CHECK_ALL_SOURCE",
+    "GENERATED_FILE",
     "QUESTIONS_FILE",
     "SET_NAME",
     "BuiltSet",
@@ -69,6 +77,10 @@ _ZIP_DATE = (2020, 1, 1, 0, 0, 0)
 #: ``{"questions": [name, ...], "exercises": {name: {number, heading, stub, reference, points, ...}}}`` (see
 #: :func:`describe_questions`); the generated notebooks carry the same under ``metadata["pagedkv"]``.
 QUESTIONS_FILE = "questions.json"
+
+#: The autograder zip's record of the notebooks built with it: ``{"exercises/NN_name.ipynb": sha256, ...}``. The
+#: next build replaces a notebook only when it is still exactly what this build wrote (see :func:`build_all`).
+GENERATED_FILE = "generated.json"
 
 #: The check-all section that ends every generated notebook (markdown, then the code cell).
 CHECK_ALL_MARKDOWN = """## Check everything
@@ -242,15 +254,17 @@ def _finish_notebook(nb: nbformat.NotebookNode, set_name: str, description: dict
     return nb
 
 
-def _normalise_zip(path: Path, description: dict) -> bytes:
+def _normalise_zip(path: Path, description: dict, generated: dict[str, str]) -> bytes:
     """Otter's autograder zip, rewritten reproducibly: only what ``otter run`` reads, sorted, fixed dates; plus
     ``QUESTIONS_FILE``, the questions in notebook order (otter's own files name them only alphabetically, and
-    ``pagedkv grade`` lists exercises as the learner meets them). ``otter run`` ignores that file."""
+    ``pagedkv grade`` lists exercises as the learner meets them), and ``GENERATED_FILE``, the sha256 of the
+    notebooks built with it. ``otter run`` ignores both."""
     out = io.BytesIO()
     with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
         entries = {name: src.read(name) for name in src.namelist()
                    if not name.endswith("/") and name not in _GRADESCOPE_ONLY}
         entries[QUESTIONS_FILE] = (json.dumps(description, indent=2) + "\n").encode()
+        entries[GENERATED_FILE] = (json.dumps(generated, indent=2, sort_keys=True) + "\n").encode()
         for name in sorted(entries):
             info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
             info.compress_type = zipfile.ZIP_DEFLATED
@@ -313,7 +327,8 @@ def build_set(source: Path) -> BuiltSet:
         built.files[f"exercises/{name}.ipynb"] = _normalise_notebook(_finish_notebook(student_nb, name, description))
         solution_nb = _finish_notebook(nbformat.read(solution, as_version=4), name, description)
         built.files[f"solutions/{name}.ipynb"] = _normalise_notebook(solution_nb)
-        built.files[f"grading/autograder/{name}.zip"] = _normalise_zip(zips[0], description)
+        generated = {rel: hashlib.sha256(data).hexdigest() for rel, data in built.files.items()}
+        built.files[f"grading/autograder/{name}.zip"] = _normalise_zip(zips[0], description, generated)
     return built
 
 
@@ -327,31 +342,70 @@ def _orphans(root: Path, names: set[str]) -> list[str]:
     return found
 
 
+def _last_built(root: Path, name: str) -> dict[str, str]:
+    """The sha256 of the notebooks the committed zip of set ``name`` was built with ({} without a record)."""
+    try:
+        with zipfile.ZipFile(root / "grading" / "autograder" / f"{name}.zip") as zf:
+            data = json.loads(zf.read(GENERATED_FILE))
+        return data if isinstance(data, dict) else {}
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return {}
+
+
 def build_all(root: Path | None = None, names: list[str] | None = None, *, check: bool = False,
-              echo=print) -> int:
+              force: bool = False, echo=print) -> int:
     """Build every exercise set (or those in ``names``). With ``check``, write nothing and report the
-    committed files that differ from a fresh build. Returns a process exit status: 0 when all is well."""
+    committed files that differ from a fresh build. Returns a process exit status: 0 when all is well.
+
+    A notebook on disk that differs from the new build is replaced only when it is exactly what the last build
+    wrote (its sha256 is in the set's zip, ``GENERATED_FILE``): a source changed, nobody touched the notebook.
+    Any other (a learner's answers, a notebook opened and saved) is refused, and then nothing at all is
+    written (exit status 1), unless ``force``: then a copy of each is kept under ``.pagedkv/replaced/``."""
     root = (root or repo_root()).resolve()
     sources = find_sources(root, names)
     if not sources:
         echo(f"no exercise sources in {root / 'grading' / 'source'} (expected NN_name.ipynb)")
         return 0
     stale: list[str] = []
+    plan: list[tuple[str, bytes | None]] = []  # (file, its new content; None: unchanged), in build order
+    changed: list[str] = []  # notebooks that differ from both the new build and the last one: someone's work
     for source in sources:
         built = build_set(source)
+        last = _last_built(root, built.name)
         for rel, data in built.files.items():
             path = root / rel
             current = path.read_bytes() if path.is_file() else None
             if current == data:
-                if not check:
-                    echo(f"  unchanged  {rel}")
-                continue
-            if check:
+                plan.append((rel, None))
+            elif check:
                 stale.append(rel + ("" if current is not None else " (missing)"))
             else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(data)
-                echo(f"  wrote      {rel}")
+                if current is not None and rel.endswith(".ipynb") and (
+                        last.get(rel) != hashlib.sha256(current).hexdigest()):
+                    changed.append(rel)
+                plan.append((rel, data))
+    if changed and not force:
+        echo("Not rebuilding: these notebooks have changes of their own (your answers, or the notebook was "
+             "opened and saved), and a rebuild would replace them:")
+        for rel in changed:
+            echo(f"  {rel}")
+        echo("Nothing was written. To start one exercise over, run grader.reset(\"name\") in its notebook. "
+             "To replace the notebooks anyway (an instructor regenerating after editing grading/source/), add "
+             "--force: `./lab exercises --force` keeps a copy of each under .pagedkv/replaced/.")
+        return 1
+    if changed:
+        backup = root / ".pagedkv" / "replaced" / time.strftime("%Y%m%d-%H%M%S")
+        for rel in changed:
+            (backup / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, backup / rel)
+            echo(f"  kept a copy of {rel} in {(backup / rel).relative_to(root)}")
+    for rel, data in [] if check else plan:
+        if data is None:
+            echo(f"  unchanged  {rel}")
+            continue
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        echo(f"  wrote      {rel}")
     orphans = [] if names else _orphans(root, {s.stem for s in sources})
     if check:
         problems = stale + [f"{o} (no grading/source/{Path(o).stem}.ipynb)" for o in orphans]

@@ -16,7 +16,9 @@ Nothing here imports the learner's code or the reference answers; tests pass the
 from __future__ import annotations
 
 import contextlib
+import linecache
 import math
+import os
 import re
 import signal
 import sysconfig
@@ -24,6 +26,7 @@ import threading
 import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -148,16 +151,33 @@ def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
 
 
 _INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+_LIBRARY = str(Path(__file__).resolve().parents[1]) + os.sep  # this library (the sandbox's copy, in a sandbox)
 
 
 def own_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame not in Python's own library or an installed package (torch, transformers): the
-    learner's line that made a library call fail, not the line inside the library ("in einsum, line 372")."""
+    """The innermost frame not in Python's own library, an installed package (torch, transformers) or this
+    library: the learner's line that made a library call fail ("in allocate_slots, line 9: new =
+    manager.block_pool.get_new_blocks(n)"), not the line inside the library that raised."""
     for frame in reversed(frames):
         name = frame.filename
-        if not (name.startswith(_INSTALLED) or "site-packages" in name or "dist-packages" in name):
+        if not (name.startswith(_INSTALLED) or "site-packages" in name or "dist-packages" in name
+                or name.startswith(_LIBRARY)):
             return frame
     return frames[-1] if frames else None
+
+
+def statement_text(frame: traceback.FrameSummary) -> str:
+    """The frame's statement as one line: a statement spread over several lines is read whole from the
+    source where it can be, else its first line is marked as cut (``raise ValueError(…``)."""
+    first = (frame.line or "").strip()
+    end = getattr(frame, "end_lineno", None)
+    if not first or end is None or frame.lineno is None or end <= frame.lineno:
+        return first
+    lines = [linecache.getline(frame.filename, n).strip() for n in range(frame.lineno, end + 1)]
+    whole = " ".join(ln for ln in lines if ln)
+    if lines[0] == first and all(lines) and len(whole) <= 200:
+        return whole
+    return first + " …"
 
 
 def _where(exc: BaseException) -> str:
@@ -165,7 +185,7 @@ def _where(exc: BaseException) -> str:
     last = own_frame(traceback.extract_tb(exc.__traceback__))
     if last is None:
         return ""
-    code = (last.line or "").strip()
+    code = statement_text(last)
     return f" (in {last.name}, line {last.lineno}: {code})" if code else f" (in {last.name}, line {last.lineno})"
 
 

@@ -11,9 +11,12 @@ did, is listed with 0 points and the status ``not submitted``), and the command 
 from __future__ import annotations
 
 import csv
+import io
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from pagedkv.grading.output import escape_controls, write_replacing
 
 __all__ = ["CSV_COLUMNS", "class_rows", "learner_of", "learner_totals", "write_csv"]
 
@@ -42,7 +45,7 @@ def class_rows(results: list[Any], folder: str | Path) -> list[dict]:
     exercises_of: dict[str, list[tuple[str, float]]] = {}
     for r in results:
         set_name = Path(r.autograder).stem if r.autograder else "?"
-        by_learner[learner_of(r.notebook, folder, set_name)][set_name] = r
+        by_learner[escape_controls(learner_of(r.notebook, folder, set_name))][set_name] = r
         if r.exercises:
             exercises_of.setdefault(set_name, [(e.name, e.possible) for e in r.exercises])
     rows = []
@@ -60,11 +63,13 @@ def class_rows(results: list[Any], folder: str | Path) -> list[dict]:
 
 
 def write_csv(rows: list[dict], path: str | Path) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "points": f"{row['points']:g}", "max": f"{row['max']:g}"})
+    """The class's CSV at ``path``, written through a temporary file and a rename (never through a symlink)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({**row, "points": f"{row['points']:g}", "max": f"{row['max']:g}"})
+    write_replacing(path, out.getvalue())
 
 
 def learner_totals(rows: list[dict]) -> str:

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pagedkv.grading.build import QUESTIONS_FILE
+from pagedkv.grading.limits import DEFAULT_LIMITS, Limits
+from pagedkv.grading.output import escape_controls
 
 __all__ = [
     "CaseResult",
@@ -48,10 +50,6 @@ __all__ = [
     "report_json",
 ]
 
-DEFAULT_TIMEOUT = 300.0  # seconds per notebook
-DEFAULT_CELL_TIMEOUT = 60.0  # seconds per cell
-DEFAULT_CASE_TIMEOUT = 60.0  # seconds per test case (all the calls of the learner's code it makes)
-DEFAULT_MEMORY = 4 << 30  # bytes of address space for the sandbox
 
 
 @dataclass
@@ -187,7 +185,7 @@ def _clean_message(message: str) -> str:
     leading "AssertionError:" removed, whitespace folded."""
     lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
     lines = [ln for ln in lines if not re.match(r"^(❌\s*)?Error at line \d+ in test", ln)]
-    return _strip_exception_name(" ".join(lines)) or "failed"
+    return escape_controls(_strip_exception_name(" ".join(lines))) or "failed"
 
 
 def _strip_exception_name(text: str) -> str:
@@ -287,14 +285,14 @@ def _kill_session(proc: subprocess.Popen) -> None:
 def grade_notebook(
     notebook: Path,
     autograder: Path,
+    limits: Limits = DEFAULT_LIMITS,
     *,
-    timeout: float = DEFAULT_TIMEOUT,
-    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-    case_timeout: float = DEFAULT_CASE_TIMEOUT,
-    memory: int = DEFAULT_MEMORY,
     shown_as: str | None = None,
+    require_sandbox: bool = False,
 ) -> NotebookResult:
-    """Grade one notebook against one autograder zip, on a copy, within ``timeout`` seconds."""
+    """Grade one notebook against one autograder zip, on a copy, within ``limits.timeout`` seconds
+    (``require_sandbox``: fail it rather than grade it without bubblewrap)."""
+    timeout = limits.timeout
     start = time.monotonic()
     label = shown_as or str(notebook)
     expected = _expected_questions(autograder)
@@ -317,8 +315,7 @@ def grade_notebook(
         cmd = [
             sys.executable, "-m", "pagedkv.grading.worker",
             "--autograder", str(autograder.resolve()), "--notebook", str(copy), "--out", str(out),
-            "--cell-timeout", str(min(cell_timeout, timeout)), "--case-timeout", str(min(case_timeout, timeout)),
-            "--memory", str(int(memory)), "--cpu-seconds", str(int(timeout) + 60),
+            "--limits", limits.to_json(), *(["--require-sandbox"] if require_sandbox else []),
         ]
         # the same string hashes in the worker and its sandboxes (builtin_hash answers must match)
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg", PYTHONHASHSEED="0")
@@ -346,7 +343,8 @@ def grade_notebook(
 
     if not payload.get("ok"):
         return failed("error", payload.get("error") or "grading failed")
-    cells = [c for c in payload.get("cells") or [] if isinstance(c, dict)]
+    cells = [{k: escape_controls(v) if isinstance(v, str) else v for k, v in c.items()}
+             for c in payload.get("cells") or [] if isinstance(c, dict)]
     exercises = [_exercise_from_json(q, cells) for q in payload["questions"]]
     seen = {e.name for e in exercises}
     exercises += _all_failed([(n, p) for n, p in expected if n not in seen], "not graded (its test never ran)")
@@ -362,10 +360,8 @@ def grade_paths(
     paths: Iterable[str | Path],
     *,
     autograder_dir: Path,
-    timeout: float = DEFAULT_TIMEOUT,
-    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-    case_timeout: float = DEFAULT_CASE_TIMEOUT,
-    memory: int = DEFAULT_MEMORY,
+    limits: Limits = DEFAULT_LIMITS,
+    require_sandbox: bool = False,
     jobs: int | None = None,
     on_result: Callable[[NotebookResult], None] | None = None,
 ) -> tuple[list[NotebookResult], list[str]]:
@@ -385,8 +381,7 @@ def grade_paths(
     def one(item: tuple[Path, Path]) -> NotebookResult:
         nb, zip_path = item
         try:
-            result = grade_notebook(nb, zip_path, timeout=timeout, cell_timeout=cell_timeout,
-                                    case_timeout=case_timeout, memory=memory, shown_as=str(nb))
+            result = grade_notebook(nb, zip_path, limits, shown_as=str(nb), require_sandbox=require_sandbox)
         except Exception as exc:  # noqa: BLE001 - never let one notebook stop the others
             result = NotebookResult(str(nb), str(zip_path), "error", 0.0, 0.0, 0.0,
                                     f"grading failed: {type(exc).__name__}: {exc}")
@@ -413,7 +408,7 @@ def _display_path(path: str) -> str:
 
 
 def _clip(text: str, width: int | None) -> str:
-    text = " ".join(text.split())
+    text = escape_controls(" ".join(text.split()))
     return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
@@ -422,7 +417,7 @@ def format_table(results: list[NotebookResult], message_width: int | None = None
     whole (its hint is the point of it), unless ``message_width`` asks for a cut."""
     rows = [("notebook", "exercise", "points", "status", "first failure")]
     for r in results:
-        name = _display_path(r.notebook)
+        name = escape_controls(_display_path(r.notebook))
         for e in r.exercises:
             rows.append((name, e.name, f"{_fmt_points(e.score)}/{_fmt_points(e.possible)}", e.status,
                          _clip(e.message, message_width)))

@@ -1,7 +1,8 @@
 """A learner's progress: the last score of each exercise set, kept in ``.pagedkv/progress.json``.
 
-Every ``pagedkv grade`` records, per set, the score of the learner's notebooks it graded (not ``solutions/``, and
-not a class folder graded with ``--class``); :func:`progress_table` reads it back as the per-set table the
+Every ``pagedkv grade`` records, per set, the score of the learner's own notebooks it graded: those in the
+repository's ``exercises/`` folder, nothing else (not ``solutions/``, not a class's submissions, with or without
+``--class``, not a copy elsewhere); :func:`progress_table` reads it back as the per-set table the
 course index shows, and :func:`grade_notebook_here` grades the notebook it is called from (in a separate process
 and its sandboxes, exactly as ``pagedkv grade``) and prints the same score table.
 """
@@ -38,16 +39,15 @@ def _set_name(autograder: str | None) -> str | None:
 
 def record_progress(results: list[Any], *, root: Path | None = None, now: float | None = None) -> Path | None:
     """Merge the graded notebooks' per-set scores into ``.pagedkv/progress.json``; returns the file (None when
-    nothing was a learner's notebook). A notebook under ``solutions/`` is not the learner's work: skipped."""
+    nothing was the learner's own). Only a notebook directly in ``root/exercises/`` is the learner's: one in
+    ``solutions/``, in a class folder graded as one learner (``./lab grade submissions/``) or anywhere else would
+    put someone else's score in the learner's table, so it is skipped."""
     root = (root or _root()).resolve()
-    solutions = (root / "solutions").resolve()
+    exercises = (root / "exercises").resolve()
     entries = {}
     for r in results:
         name = _set_name(r.autograder)
-        if not name or r.possible <= 0:
-            continue
-        with_path = Path(r.notebook).resolve()
-        if solutions == with_path.parent or solutions in with_path.parents:
+        if not name or r.possible <= 0 or Path(r.notebook).resolve().parent != exercises:
             continue
         entries[name] = {
             "notebook": str(r.notebook), "score": r.score, "possible": r.possible, "status": r.status,

@@ -1,29 +1,24 @@
-"""Start and end the sandbox process that runs a learner's code (:mod:`pagedkv.grading.sandbox_main`).
+"""Start and end the sandbox that runs a learner's code (:mod:`pagedkv.grading.sandbox_main`).
 
-What the sandbox gets, and why:
+Each sandbox is a bubblewrap (``bwrap``) container, made fresh for one exercise of one notebook:
 
-- **A throwaway copy of the library**, in a fresh folder under the system's temporary folder, with the
-  exercise's reference symbols (``questions.json``'s ``reference`` for the exercise, e.g.
-  ``pagedkv.fragmentation.blocks_needed``, plus :data:`FALLBACK_REFERENCE`) rewritten in the copy's source to
-  raise "not available while grading": the learner's function cannot wrap the library's answer, and the
-  original code is nowhere in the sandbox's reach (no ``__pycache__`` is copied). Python starts on that
-  copy (``-s``, an environment of the grader's making, ``PYTHONHASHSEED=0`` as in the worker so that
-  ``builtin_hash`` agrees on both sides); the editable install's finder for the repository is removed before
-  anything imports.
-- **Another user** when the grader runs as root: a uid of its own per sandbox (61000 and up, held with a lock
-  file so concurrent graders never share one), owner of nothing but its folder, so it cannot write the
-  repository (root's files) or read another sandbox's folder; and "every process of that uid" is exactly what
-  to kill at the end. Without root the sandbox runs as the grader's own user.
-- **The repository hidden**: in a mount namespace of its own (as root; or a user namespace where the kernel
-  allows unprivileged ones) every top-level entry of the repository except the virtual environment is covered
-  by an empty read-only tmpfs. Where neither is possible, the copy and the stubs still hold, but the
-  repository stays readable (and, without root, writable) to the learner's code: the README says so.
-- **Limits** (``resource.setrlimit``): address space (default 4 GiB: a 6 GB allocation fails inside), CPU
-  seconds, file size, processes (per uid, as root), no core files; ``OMP_NUM_THREADS=1``.
-- **Its own session** (``setsid``) and death with its parent (``PR_SET_PDEATHSIG``). At the end the session
-  is killed, then (as root) every process of the sandbox's uid until none is left, which catches a child that
-  started a session of its own (``setsid``) or double-forked; without root, orphans are reparented to the
-  grader (``PR_SET_CHILD_SUBREAPER``) and killed there.
+- **Namespaces of its own**: user, pid, network, ipc, uts, mount (and cgroup where the kernel has it). Its
+  ``/proc`` shows only its own processes (no grader's command line, no other learner's process); it has no
+  network (``socket.create_connection`` fails); the learner's Python is its pid 1, so when that ends, every
+  process it started ends too.
+- **A filesystem of four things**: the Python environment (``/usr``, the interpreter's installation, the
+  virtual environment; read-only), the throwaway copy of the library with the exercise's reference symbols
+  rewritten to raise "not available while grading" (:func:`copy_library`; read-only, at ``/sandbox/site``),
+  the one notebook being graded (read-only, in the home folder), and private tmpfs ``/tmp``, ``/var/tmp``,
+  ``/dev/shm`` and home of bounded size (:attr:`Limits.tmpfs`), gone when the sandbox ends. Nothing else of the
+  host: no checkout, no class folder, no other clone of the repository.
+- **Limits for the whole sandbox**: a cgroup of its own (v2, else v1's ``memory`` and ``pids``) bounds the
+  memory and the processes of everything in it together, where one can be made (as root in a container);
+  rlimits (address space, CPU seconds, file size, processes, no core files) apply in every case.
+- **No address randomisation** (in the worker too; :func:`same_hashes`).
+
+Where bubblewrap cannot run (:func:`bwrap_problem` says why), ``pagedkv grade --class`` refuses; grading your
+own notebook falls back to a plain process with the stubbed copy and the rlimits, and says so once.
 """
 
 from __future__ import annotations
@@ -31,10 +26,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import ctypes
-import fcntl
+import json
 import os
-import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -45,28 +40,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DEFAULT_MEMORY", "FALLBACK_REFERENCE", "Sandbox", "close_all", "isolation_summary", "stub_symbols",
-           "lesson_checks", "with_private_twins"]
+from pagedkv.grading.limits import Limits
 
-#: Address-space limit of the sandbox process (bytes).
-DEFAULT_MEMORY = 4 << 30
-
-#: Reference symbols per exercise, used in addition to what the set's ``questions.json`` lists (``reference:``
-#: in the source's ``# BEGIN QUESTION`` cell). Dotted names: module, then class and method where it applies.
-FALLBACK_REFERENCE: dict[str, list[str]] = {
-    "blocks_needed": ["pagedkv.fragmentation.blocks_needed"],
-    "contiguous_capacity": ["pagedkv.fragmentation.contiguous_capacity"],
-    "paged_admission": ["pagedkv.fragmentation.paged_admission"],
-    "waste_percent": ["pagedkv.fragmentation.waste_percent"],
-    "free_queue": [f"pagedkv.kv_cache_utils.FreeKVCacheBlockQueue.{m}" for m in (
-        "__init__", "popleft", "popleft_n", "remove", "append", "append_n", "appendleft", "appendleft_n",
-        "_insert_after", "__iter__", "get_all_free_blocks", "__len__")],
-    "pool_alloc_free": ["pagedkv.block_pool.BlockPool.get_new_blocks", "pagedkv.block_pool.BlockPool.free_blocks"],
-    "allocate_slots": ["pagedkv.kv_cache_manager.KVCacheManager.allocate_slots"],
-    "hash_chain": ["pagedkv.kv_cache_utils.hash_request_tokens", "pagedkv.kv_cache_utils.update_block_hashes"],
-    "prefix_lookup": ["pagedkv.kv_cache_manager.KVCacheManager.get_computed_blocks"],
-    "eviction_on_reuse": ["pagedkv.block_pool.BlockPool.get_new_blocks", "pagedkv.block_pool.BlockPool.free_blocks"],
-}
+__all__ = ["INSTALL_HINT", "Cgroup", "Sandbox", "bwrap_problem", "close_all", "copy_library", "expand_classes",
+           "isolation_summary", "lesson_checks", "stub_symbols", "with_private_twins"]
 
 #: Library helpers never stubbed, even when a set lists them: other library methods that are not the answer
 #: call them (``BlockPool.evict_blocks`` calls ``_maybe_evict_cached_block``), so a stub would break the
@@ -74,9 +51,31 @@ FALLBACK_REFERENCE: dict[str, list[str]] = {
 NEVER_STUBBED = {"pagedkv.block_pool.BlockPool._maybe_evict_cached_block"}
 
 
+def expand_classes(symbols: Iterable[str]) -> list[str]:
+    """``symbols`` with each class among them replaced by the functions its own body defines
+    (``pagedkv.kv_cache_utils.FreeKVCacheBlockQueue`` -> ``...FreeKVCacheBlockQueue.popleft``, ...): a set's
+    ``reference:`` may name a whole class when the exercise is the whole class."""
+    import importlib
+    import inspect
+
+    out: list[str] = []
+    for symbol in symbols:
+        module_name, _, name = symbol.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            out.append(symbol)  # a method (module.Class.method), or a misspelt name: stub_symbols reports it
+            continue
+        if inspect.isclass(obj):
+            out += [f"{symbol}.{m}" for m, f in vars(obj).items() if inspect.isfunction(f)]
+        else:
+            out.append(symbol)
+    return list(dict.fromkeys(out))
+
+
 def with_private_twins(symbols: Iterable[str]) -> list[str]:
     """``symbols`` plus, for each module-level function among them, its private twin where the module has one
-    (``pagedkv.sizing.num_gpu_blocks`` -> ``pagedkv.sizing._num_gpu_blocks``): the library's own callers use the
+    (``pagedkv.sizing.kv_cache_utils.num_gpu_blocks`` -> ``..._num_gpu_blocks``): the library's own callers use the
     twin so that hiding the public answer leaves them working, and a learner's function must not reach the
     answer through it either. Hidden like the answer, the twin breaks only library calls no check needs (a
     notebook cell that fails with "not available while grading" is not reported)."""
@@ -120,13 +119,6 @@ def lesson_checks(test_sources: Iterable[str]) -> list[str]:
     return out
 
 
-_UID_BASE = 61000
-_UID_COUNT = 1000
-_LOCK_DIR = Path(tempfile.gettempdir()) / "pagedkv-sandbox-uids"
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWUSER = 0x10000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 2, 4, 32, 4096, 0x4000, 1 << 18
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 _ADDR_NO_RANDOMIZE = 0x0040000
 
 
@@ -228,108 +220,6 @@ main()
 """
 
 
-# ------------------------------------------------------------------------------------------ uids
-def _uid_in_use(uid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as f:
-                for line in f:
-                    if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            pids.append(int(entry))
-                        break
-        except OSError:
-            continue
-    return pids
-
-
-def _take_uid() -> tuple[int, int] | None:
-    """A free sandbox uid and the file descriptor of its lock (held until the sandbox is gone)."""
-    _LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
-    start = (os.getpid() * 7) % _UID_COUNT
-    for k in range(_UID_COUNT):
-        uid = _UID_BASE + (start + k) % _UID_COUNT
-        fd = os.open(_LOCK_DIR / f"{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue
-        _kill_uid(uid)  # leftovers of a grader that was killed outright
-        return uid, fd
-    return None
-
-
-def _kill_uid(uid: int, rounds: int = 50) -> None:
-    for _ in range(rounds):
-        pids = _uid_in_use(uid)
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
-
-
-# ------------------------------------------------------------------------------------------ the process
-def _hidden_paths(repo: Path) -> list[str]:
-    """Top-level entries of the repository to cover, all but the one holding the running Python."""
-    keep = Path(sys.prefix).resolve()
-    out = []
-    try:
-        entries = sorted(repo.iterdir())
-    except OSError:
-        return out
-    for p in entries:
-        rp = p.resolve()
-        if p.is_dir() and not p.is_symlink() and not (keep == rp or rp in keep.parents):
-            out.append(str(p))
-    return out
-
-
-def _closed_ancestor(path: Path) -> Path | None:
-    """The topmost folder above ``path`` that other users cannot enter (``/root`` for a pyenv Python)."""
-    for parent in reversed(path.parents):
-        with contextlib.suppress(OSError):
-            if parent != Path("/") and not (os.stat(parent).st_mode & 0o001):
-                return parent
-    return None
-
-
-def reopen_plan(keeps: Iterable[Path]) -> dict[Path, list[Path]]:
-    """For each folder that other users cannot enter (the topmost one above a path in ``keeps``), the paths to
-    put back inside it: ``/root`` for a pyenv Python, and the clone's own folder when it was made private (a
-    ``mktemp -d`` folder is 0700), for the virtual environment."""
-    plan: dict[Path, list[Path]] = {}
-    for keep in dict.fromkeys(keeps):
-        closed = _closed_ancestor(keep)
-        if closed is not None:
-            plan.setdefault(closed, []).append(keep)
-    return plan
-
-
-def _reopen(libc: ctypes.CDLL, stage: Path, closed: Path, keeps: list[Path]) -> None:
-    """Cover ``closed`` (e.g. /root) with an empty tmpfs that others can enter, and put each of ``keeps`` (the
-    Python installation, the virtual environment) back at its path: the sandbox user can run Python, and sees
-    nothing else there."""
-    staged = []
-    for keep in keeps:
-        at = stage / str(len(staged))
-        at.mkdir(parents=True, exist_ok=True)
-        if libc.mount(str(keep).encode(), str(at).encode(), None, _MS_BIND | _MS_REC, None) == 0:
-            staged.append((keep, at))
-    if not staged:
-        return
-    libc.mount(b"tmpfs", str(closed).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=64k,mode=755")
-    for keep, at in staged:
-        keep.mkdir(parents=True, exist_ok=True)
-        libc.mount(str(at).encode(), str(keep).encode(), None, _MS_BIND | _MS_REC, None)
-    libc.mount(b"none", str(closed).encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None)
-
-
 def same_hashes() -> None:
     """Turn address-space randomisation off for this process and what it executes (``setarch -R``).
 
@@ -345,43 +235,202 @@ def same_hashes() -> None:
             libc.personality(current | _ADDR_NO_RANDOMIZE)
 
 
-def _preexec(uid: int | None, memory: int, cpu_seconds: int, hide: list[str], stage: Path | None = None) -> None:
-    """In the child, before exec: session, death with the parent, namespaces, limits, user."""
+# ------------------------------------------------------------------------------------------ bubblewrap
+INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; ./lab setup does it where it can)"
+_SANDBOX_UID = 1000  # the learner's uid inside the sandbox's user namespace
+_SITE = "/sandbox/site"  # where the stubbed library copy is mounted, read-only
+_HOME = "/home/learner"  # the sandbox's working folder: a private tmpfs holding the one notebook
+_PROBE: dict[str, str | None] = {}
+
+
+def _system_mounts() -> list[str]:
+    """Read-only binds of the system's programs and libraries (``/usr`` and what ``/bin``, ``/lib`` ... are on
+    this host: symlinks into ``/usr`` on a merged-``/usr`` system), and of the Python environment: the
+    interpreter's installation and the virtual environment, wherever they are (``/root/.pyenv/...``,
+    ``.venv`` inside the checkout). The base installation's own ``site-packages`` is covered by an empty
+    tmpfs when a virtual environment is in use: it is not on the sandbox's path, and it is one more place a
+    copy of the library could sit."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    base, prefix = Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()
+    for root in dict.fromkeys((base, prefix)):
+        if not str(root).startswith("/usr/"):
+            args += ["--ro-bind", str(root), str(root)]
+    if prefix != base:
+        for site in sorted(base.glob("lib/python3*/site-packages")):
+            args += ["--tmpfs", str(site), "--remount-ro", str(site)]
+    return args
+
+
+def bwrap_command(site: Path, notebook: Path | None, limits: Limits, info_fd: int) -> list[str]:
+    """The ``bwrap`` command line for one sandbox: fresh user, pid, network, ipc, uts and cgroup namespaces;
+    a filesystem of the Python environment (read-only), the stubbed library copy (read-only), the one notebook
+    (read-only) and private tmpfs ``/tmp``, ``/var/tmp``, ``/dev/shm`` and home of ``limits.tmpfs`` bytes each;
+    its own ``/proc`` (only the sandbox's processes) and a minimal ``/dev``. The learner's Python is the
+    namespace's pid 1 (``--as-pid-1``): when it ends, the kernel ends every process left in the sandbox."""
+    size = str(int(limits.tmpfs))
+    args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--as-pid-1", "--cap-drop", "ALL",
+            "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID), "--hostname", "sandbox",
+            "--info-fd", str(info_fd), *_system_mounts(),
+            "--proc", "/proc", "--dev", "/dev"]
+    for tmp in ("/tmp", "/var/tmp", "/dev/shm", _HOME):
+        args += ["--size", size, "--tmpfs", tmp]
+    args += ["--ro-bind", str(site), _SITE]
+    if notebook is not None:
+        args += ["--ro-bind", str(notebook), f"{_HOME}/{notebook.name}"]
+    return args + ["--chdir", _HOME, "--"]
+
+
+def bwrap_problem() -> str | None:
+    """Why bubblewrap cannot sandbox on this machine (not installed, or the kernel refuses it the namespaces),
+    or None when it can; found once per process by starting a sandbox that runs ``true``."""
+    if "answer" not in _PROBE:
+        if shutil.which("bwrap") is None:
+            _PROBE["answer"] = f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}"
+        else:
+            r, w = os.pipe()
+            try:
+                cmd = bwrap_command(Path(sys.prefix), None, Limits(), w)
+                proc = subprocess.run([*cmd, sys.executable, "-c", "pass"], capture_output=True, text=True,
+                                      timeout=60, pass_fds=(w,), check=False)
+                why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+                _PROBE["answer"] = None if proc.returncode == 0 else (
+                    f"bubblewrap cannot make its namespaces on this machine ({why}); in a container, allow user "
+                    "namespaces (Docker: --security-opt seccomp=unconfined, or run it with --privileged)")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                _PROBE["answer"] = f"bubblewrap did not start ({exc})"
+            finally:
+                os.close(r)
+                os.close(w)
+    return _PROBE["answer"]
+
+
+# ------------------------------------------------------------------------------------------ cgroups
+class Cgroup:
+    """A cgroup of its own for one sandbox, bounding the memory and the number of processes of everything in
+    it together: cgroup v2 (``memory.max``, ``pids.max``) where this process's cgroup lets it make a child with
+    both controllers, else cgroup v1's ``memory`` and ``pids`` hierarchies (as root in a container). ``paths``
+    is empty where neither can be made; the sandbox then relies on rlimits."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.paths: list[Path] = []
+        name = f"pagedkv-sandbox-{os.getpid()}-{id(self):x}"
+        with contextlib.suppress(OSError):
+            self._make_v2(name, limits) or self._make_v1(name, limits)
+
+    @staticmethod
+    def _own(controller: str) -> str | None:
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/self/cgroup").read_text().splitlines():
+                _, names, path = line.split(":", 2)
+                if names.split(",") == [controller] or (controller == "" and names == ""):
+                    return path
+        return None
+
+    def _try(self, path: Path, settings: dict[str, str]) -> bool:
+        try:
+            path.mkdir()
+        except OSError:
+            return False
+        try:
+            for key, value in settings.items():
+                (path / key).write_text(value)
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            return False
+        self.paths.append(path)
+        return True
+
+    def _make_v2(self, name: str, limits: Limits) -> bool:
+        own = self._own("")
+        for mount in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+            if own is None or not (mount / "cgroup.controllers").is_file():
+                continue
+            parent = mount / own.lstrip("/")
+            with contextlib.suppress(OSError):
+                enabled = (parent / "cgroup.subtree_control").read_text().split()
+                if {"memory", "pids"} <= set(enabled):
+                    return self._try(parent / name, {"memory.max": str(limits.memory), "memory.swap.max": "0",
+                                                     "pids.max": str(limits.processes)})
+        return False
+
+    def _make_v1(self, name: str, limits: Limits) -> bool:
+        memory, pids = self._own("memory"), self._own("pids")
+        if memory is None or pids is None:
+            return False
+        mem_dir = Path("/sys/fs/cgroup/memory") / memory.lstrip("/") / name
+        pid_dir = Path("/sys/fs/cgroup/pids") / pids.lstrip("/") / name
+        settings = {"memory.limit_in_bytes": str(limits.memory)}
+        if (mem_dir.parent / "memory.memsw.limit_in_bytes").exists():
+            settings["memory.memsw.limit_in_bytes"] = str(limits.memory)
+        if self._try(mem_dir, settings) and self._try(pid_dir, {"pids.max": str(limits.processes)}):
+            return True
+        self.close()
+        return False
+
+    def join(self) -> None:
+        """Put the calling process in the cgroup (in the child, before it executes ``bwrap``)."""
+        for path in self.paths:
+            (path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def close(self) -> None:
+        """Kill every process left in the cgroup and remove it."""
+        for path in self.paths:
+            for _ in range(100):
+                try:
+                    pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+                except OSError:
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.02)
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        self.paths = []
+
+
+def isolation_summary() -> str:
+    """One line on what isolation this machine gives the sandbox (for ``pagedkv grade`` and the tests' logs)."""
+    problem = bwrap_problem()
+    if problem is not None:
+        return f"no sandbox: {problem}; the learner's code runs as a plain process with rlimits"
+    group = Cgroup(Limits())
+    bound = ("a cgroup bounds memory and processes of the whole sandbox" if group.paths
+             else "rlimits bound each process's address space and the uid's processes (no cgroup can be made)")
+    group.close()
+    return f"bubblewrap: fresh user, pid, network, ipc and mount namespaces; {bound}"
+
+
+def _preexec(limits: Limits, cgroup: Cgroup | None) -> None:
+    """In the child, before it executes ``bwrap`` (or, with no sandbox, Python): a session of its own, no
+    address randomisation, death with the grader, the cgroup, and rlimits (address space, CPU time, file size,
+    processes, no core files)."""
     os.setsid()
     same_hashes()
     libc = _libc()
     if libc is not None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        flags = _CLONE_NEWNS if os.geteuid() == 0 else _CLONE_NEWNS | _CLONE_NEWUSER
-        outer_uid, outer_gid = os.geteuid(), os.getegid()
-        if hide and libc.unshare(flags) == 0:
-            if flags & _CLONE_NEWUSER:
-                with contextlib.suppress(OSError):
-                    Path("/proc/self/setgroups").write_text("deny")
-                    Path("/proc/self/uid_map").write_text(f"{outer_uid} {outer_uid} 1")
-                    Path("/proc/self/gid_map").write_text(f"{outer_gid} {outer_gid} 1")
-            libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)
-            for path in hide:
-                libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, b"size=4k")
-            if uid is not None and stage is not None:
-                keeps = [Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()]
-                for i, (closed, inside) in enumerate(reopen_plan(keeps).items()):
-                    _reopen(libc, stage / str(i), closed, inside)
-    limits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu_seconds), (resource.RLIMIT_CORE, 0),
-              (resource.RLIMIT_FSIZE, 1 << 30)]
-    if uid is not None:
-        limits.append((resource.RLIMIT_NPROC, 256))
-    for which, value in limits:
+    if cgroup is not None:
+        cgroup.join()
+    for which, value in ((resource.RLIMIT_AS, limits.memory), (resource.RLIMIT_CPU, limits.cpu_seconds),
+                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, limits.tmpfs),
+                         (resource.RLIMIT_NPROC, limits.processes)):
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(which, (value, value))
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
 
 
-_SUBREAPER_SET = False
+_PR_SET_PDEATHSIG = 1
 _LIVE: list[Sandbox] = []  # started and not yet closed (the worker closes them all when it is stopped)
+_FALLBACK_SAID: list[bool] = []
 
 
 def close_all() -> None:
@@ -390,90 +439,99 @@ def close_all() -> None:
         sandbox.close()
 
 
-def isolation_summary() -> str:
-    """One line on what isolation this machine gives the sandbox (for the README and the test logs)."""
-    if os.geteuid() == 0:
-        return "root: a uid of its own per sandbox, the repository hidden in a mount namespace, rlimits, a session"
-    return "not root: the grader's own user, the repository hidden where user namespaces allow, rlimits, a session"
-
-
 @dataclass
 class Sandbox:
-    """One sandbox process; :meth:`start`, talk over ``fd_to``/``fd_from``, :meth:`close`."""
+    """One sandbox process; :meth:`start`, talk over ``fd_to``/``fd_from``, :meth:`close`.
+
+    ``require`` (``pagedkv grade --class``): refuse to start without bubblewrap, rather than fall back to a
+    plain process (self-study's fallback, which keeps the stubbed copy and the rlimits but not the namespaces).
+    """
 
     references: list[str] = field(default_factory=list)
-    memory: int = DEFAULT_MEMORY
-    cpu_seconds: int = 600
+    limits: Limits = field(default_factory=Limits)
+    notebook: Path | None = None
+    require: bool = False
     proc: subprocess.Popen | None = None
     root: Path | None = None
-    uid: int | None = None
     missing: list[str] = field(default_factory=list)
-    _lock_fd: int | None = None
+    sandboxed: bool = False
     fd_to: int = -1
     fd_from: int = -1
+    _cgroup: Cgroup | None = None
+    _pid: int | None = None  # the learner's Python (pid 1 of the sandbox), as this side numbers it
 
     def start(self) -> None:
-        global _SUBREAPER_SET
+        problem = bwrap_problem()
+        if problem is not None and self.require:
+            raise RuntimeError(f"cannot grade in a sandbox: {problem}")
+        self.sandboxed = problem is None
         self.root = Path(tempfile.mkdtemp(prefix="pagedkv-sandbox-"))
         site = self.root / "site"
         self.missing = copy_library(site, self.references)
-        for sub in ("work", "home", "tmp"):
-            (self.root / sub).mkdir()
         package, _ = _library_sources()
-        repo = package.parent
-        (site / "_pagedkv_sandbox_boot.py").write_text(_BOOT.format(site=str(site), repo=str(repo)))
-        if os.geteuid() == 0:
-            taken = _take_uid()
-            if taken is not None:
-                self.uid, self._lock_fd = taken
-                for dirpath, _dirnames, filenames in os.walk(self.root):
-                    os.chown(dirpath, self.uid, self.uid)
-                    for name in filenames:
-                        os.chown(os.path.join(dirpath, name), self.uid, self.uid)
-        elif not _SUBREAPER_SET:
-            libc = _libc()
-            if libc is not None and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
-                _SUBREAPER_SET = True
-        os.chmod(self.root, 0o700)
-        to_r, to_w = os.pipe()
-        from_r, from_w = os.pipe()
+        inside = _SITE if self.sandboxed else str(site)
+        (site / "_pagedkv_sandbox_boot.py").write_text(_BOOT.format(site=inside, repo=str(package.parent)))
+        tmp = self.root / "tmp"
+        tmp.mkdir()
+        home = _HOME if self.sandboxed else str(tmp)
+        scratch = "/tmp" if self.sandboxed else str(tmp)
         env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.root / "home"),
-            "TMPDIR": str(self.root / "tmp"), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
-            "TRITON_CACHE_DIR": str(self.root / "tmp" / "triton"), "MPLCONFIGDIR": str(self.root / "tmp" / "mpl"),
+            "PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": scratch, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "LOGNAME": "learner",
+            "USER": "learner", "TRITON_CACHE_DIR": f"{scratch}/triton", "MPLCONFIGDIR": f"{scratch}/mpl",
             "LANG": "C.UTF-8",
         }
         for key in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PAGEDKV_DEVICE", "PAGEDKV_SANDBOX_PROFILE"):
             if key in os.environ:
                 env[key] = os.environ[key]
-        hide = _hidden_paths(repo)
-        stage = self.root / "python"
-        log = open(self.root / "tmp" / "learner-output.log", "wb")  # noqa: SIM115 - closed below
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        info_r, info_w = os.pipe()
+        python = [sys.executable, "-s", "-X", "faulthandler", f"{inside}/_pagedkv_sandbox_boot.py", str(to_r),
+                  str(from_w)]
+        if self.sandboxed:
+            self._cgroup = Cgroup(self.limits)
+            cmd = bwrap_command(site, self.notebook, self.limits, info_w) + python
+        else:
+            cmd = python
+        log = open(tmp / "learner-output.log", "wb")  # noqa: SIM115 - closed below
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-s", "-X", "faulthandler", str(site / "_pagedkv_sandbox_boot.py"),
-                 str(to_r), str(from_w)],
-                cwd=self.root / "work", env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=(to_r, from_w), close_fds=True,
-                preexec_fn=lambda: _preexec(self.uid, self.memory, self.cpu_seconds, hide, stage),  # noqa: PLW1509
+                cmd, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(to_r, from_w, info_w), close_fds=True,
+                preexec_fn=lambda: _preexec(self.limits, self._cgroup),  # noqa: PLW1509
             )
         finally:
             log.close()
-            os.close(to_r)
-            os.close(from_w)
+            for fd in (to_r, from_w, info_w):
+                os.close(fd)
         self.fd_to, self.fd_from = to_w, from_r
         _LIVE.append(self)
+        self._pid = self._read_child_pid(info_r) if self.sandboxed else self.proc.pid
+        os.close(info_r)
+
+    def _read_child_pid(self, fd: int) -> int | None:
+        """bwrap's ``--info-fd`` JSON: the host's pid of the sandbox's pid 1 (the learner's Python)."""
+        data = b""
+        while b"}" not in data:
+            ready, _, _ = select.select([fd], [], [], 60)
+            chunk = os.read(fd, 4096) if ready else b""
+            if not chunk:
+                break
+            data += chunk
+        with contextlib.suppress(ValueError, TypeError):
+            return int(json.loads(data.decode())["child-pid"])
+        return None
 
     @property
     def pid(self) -> int:
-        return self.proc.pid if self.proc else -1
+        return self._pid if self._pid is not None else -1
 
     def interrupt(self) -> None:
         """KeyboardInterrupt in the learner's code (the sandbox's main thread)."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None and self._pid is not None:
             with contextlib.suppress(OSError):
-                os.kill(self.proc.pid, signal.SIGINT)
+                os.kill(self._pid, signal.SIGINT)
 
     def exit_description(self) -> str:
         if self.proc is None:
@@ -481,24 +539,29 @@ class Sandbox:
         code = self.proc.poll()
         if code is None:
             return "still running"
-        if code < 0:
+        if code < 0 or code > 128:  # bwrap passes its child's "killed by signal N" on as status 128 + N
+            number = -code if code < 0 else code - 128
             try:
-                name = signal.Signals(-code).name
+                name = signal.Signals(number).name
             except ValueError:
-                name = f"signal {-code}"
+                name = f"signal {number}"
             why = {"SIGKILL": " (killed: out of memory or CPU time?)", "SIGXCPU": " (its CPU-time limit)",
                    "SIGSEGV": " (a segmentation fault)"}.get(name, "")
             return f"ended by {name}{why}"
         return f"exited with status {code}"
 
     def close(self) -> None:
-        """Kill the sandbox, its session, and every process it left behind; remove its folder."""
+        """Kill the sandbox and every process in it (its pid namespace ends with its pid 1; the cgroup, where
+        there is one, is emptied too); remove its folder. Its tmpfs go with its mount namespace."""
         if self in _LIVE:
             _LIVE.remove(self)
         for fd in (self.fd_to, self.fd_from):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fd_to = self.fd_from = -1
+        if self._pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self._pid, signal.SIGKILL)
         if self.proc is not None:
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -506,14 +569,9 @@ class Sandbox:
                 self.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
-        if self.uid is not None:
-            _kill_uid(self.uid)
-        elif _SUBREAPER_SET:
-            _kill_orphans()
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._cgroup is not None:
+            self._cgroup.close()
+            self._cgroup = None
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
@@ -524,28 +582,3 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _kill_orphans() -> None:
-    """Without root: processes reparented to this one (it is a subreaper) are a sandbox's leftovers."""
-    me = os.getpid()
-    for _ in range(20):
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                text = Path(f"/proc/{entry}/status").read_text(errors="replace")
-            except OSError:
-                continue
-            m = re.search(r"^PPid:\s+(\d+)", text, re.M)
-            if m and int(m.group(1)) == me:
-                found.append(int(entry))
-        if not found:
-            return
-        for pid in found:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.02)

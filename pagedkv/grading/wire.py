@@ -43,7 +43,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from pagedkv.grading.checks import own_frame
+from pagedkv.grading.checks import own_frame, statement_text
 
 __all__ = ["MAX_MESSAGE", "Codec", "ProtocolError", "read_message", "write_message"]
 
@@ -220,7 +220,7 @@ def exception_info(exc: BaseException) -> dict:
     where = None
     last = own_frame(traceback.extract_tb(exc.__traceback__))
     if last is not None:
-        where = {"name": last.name, "line": last.lineno, "text": (last.line or "").strip(),
+        where = {"name": last.name, "line": last.lineno, "text": statement_text(last),
                  "file": last.filename}
     return {"type": type(exc).__name__, "bases": bases, "message": message[:4000], "where": where}
 

@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.grading.limits import DEFAULT_LIMITS, Limits
+
 __all__ = ["CELL_KEY", "defined_names", "error_text", "load_tests", "main", "notebook_cells", "number_cells"]
 
 #: The metadata key holding a cell's number (1-based, every cell counted) in older reports.
 CELL_KEY = "pagedkv_cell"
-DEFAULT_CASE_TIMEOUT = 60.0
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _DEFINES = re.compile(r"^(?:async\s+def|def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
@@ -172,7 +173,7 @@ class Question:
 def load_tests(zip_path: Path) -> list[Question]:
     """The set's questions in notebook order, with their test cases (the zip's ``tests/*.py``, defined here: the
     test files are the course's code, read from the trusted zip) and reference symbols."""
-    from pagedkv.grading.sandbox import FALLBACK_REFERENCE, NEVER_STUBBED, lesson_checks, with_private_twins
+    from pagedkv.grading.sandbox import NEVER_STUBBED, expand_classes, lesson_checks, with_private_twins
 
     questions: dict[str, Question] = {}
     order: list[str] = []
@@ -205,8 +206,7 @@ def load_tests(zip_path: Path) -> list[Question]:
             exec(compile(source, f"<tests/{Path(entry).name}>", "exec"), namespace)  # noqa: S102 - trusted zip
             qname = str(namespace.get("name") or Path(entry).stem)
             ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
-            questions[qname] = Question(qname, cases, with_private_twins(
-                [str(r) for r in (ref or [])] + FALLBACK_REFERENCE.get(qname, [])))
+            questions[qname] = Question(qname, cases, with_private_twins(expand_classes(str(r) for r in ref or [])))
     checks = lesson_checks(sources)  # hidden in every exercise of the set
     for q in questions.values():
         q.reference[:] = sorted((set(q.reference) | set(checks)) - NEVER_STUBBED)
@@ -219,16 +219,18 @@ _CURRENT: dict[str, Any] = {}
 
 
 class Grader:
-    def __init__(self, cells: list[tuple[int, str, str]], *, cell_timeout: float, case_timeout: float,
-                 memory: int, cpu_seconds: int) -> None:
+    def __init__(self, cells: list[tuple[int, str, str]], limits: Limits, *, notebook: Path | None = None,
+                 require_sandbox: bool = False) -> None:
         self.cells = [(n, without_checks(src), src) for n, src, _ in cells]
         self.sections = {n: section for n, _, section in cells}
-        self.cell_timeout = cell_timeout
-        self.case_timeout = case_timeout
-        self.memory = memory
-        self.cpu_seconds = cpu_seconds
+        self.limits = limits
+        self.cell_timeout = min(limits.cell_timeout, limits.timeout)
+        self.case_timeout = min(limits.case_timeout, limits.timeout)
+        self.notebook = notebook
+        self.require_sandbox = require_sandbox
         self.reports: dict[int, dict] = {}
         self.skip: set[int] = set()
+        self.program: str | None = None  # the current exercise's kernel program (None: run the notebook's cells)
 
     def _report(self, number: int, original: str, **what: Any) -> None:
         if number in self.reports:
@@ -238,13 +240,25 @@ class Grader:
                                 "first_line": first[:80], "defines": defined_names(original),
                                 "timed_out": False, "seconds": float(self.cell_timeout), "error": "", **what}
 
-    def open(self, references: list[str]) -> Any:
-        """A sandbox that has run the notebook's cells; restarts (without the culprit) when a cell kills it."""
+    def open(self, references: list[str], program: str | None = None) -> Any:
+        """A sandbox that has run the notebook's cells (or, for a kernel exercise, only ``program``: the learner's
+        ``@triton.jit`` functions, :mod:`pagedkv.grading.kernel_source`); restarts (without the culprit) when a
+        cell kills it."""
         from pagedkv.grading.remote import Client
         from pagedkv.grading.sandbox import Sandbox
 
+        if program is not None:
+            sandbox = Sandbox(references=references, limits=self.limits, require=self.require_sandbox)
+            sandbox.start()
+            _CURRENT["sandbox"] = sandbox
+            client = Client(sandbox, references)
+            _CURRENT["client"] = client
+            with contextlib.suppress(BaseException):  # a failure shows in the cases ("... is not defined")
+                client.exec_cell(0, program, self.cell_timeout)
+            return client
         for _attempt in range(4):
-            sandbox = Sandbox(references=references, memory=self.memory, cpu_seconds=self.cpu_seconds)
+            sandbox = Sandbox(references=references, limits=self.limits, notebook=self.notebook,
+                              require=self.require_sandbox)
             sandbox.start()
             _CURRENT["sandbox"] = sandbox
             client = Client(sandbox, references)
@@ -278,6 +292,17 @@ class Grader:
         """Each test case against a sandbox without the exercise's reference; a case that composes the learner's
         class with the library's other part (:class:`~pagedkv.grading.remote.NeedsLibrary`) runs again in one
         where that part is the library's (the part under test is a stub in both)."""
+        from pagedkv.grading.kernel_source import kernel_program
+
+        wanted = sorted({p for case in q.cases for p in inspect.signature(case.func).parameters} - {"env"})
+        kernel = kernel_program([original for _, _, original in self.cells], wanted)
+        if kernel is not None and kernel.problems:
+            name, why = next(iter(kernel.problems.items()))
+            message = f"{name} cannot be graded as a Triton kernel: {why}"
+            cases = [{"name": c.name, "hidden": c.hidden, "points": c.points, "passed": False, "message": message}
+                     for c in q.cases]
+            return {"name": q.name, "score": 0.0, "possible": float(sum(c.points for c in q.cases)), "cases": cases}
+        self.program = kernel.source if kernel is not None else None
         clients: dict[frozenset[str], Any] = {}
         cases = []
         try:
@@ -310,7 +335,7 @@ class Grader:
         if client is None or client.dead is not None:
             if client is not None:
                 client.sandbox.close()
-            client = clients[key] = self.open(refs)
+            client = clients[key] = self.open(refs, self.program)
         _CURRENT["client"] = client
         _CURRENT["sandbox"] = client.sandbox
         params = list(inspect.signature(case.func).parameters)
@@ -344,8 +369,7 @@ class Grader:
         return passed, message
 
 
-def grade(notebook: Path, autograder: Path, *, cell_timeout: float, case_timeout: float, memory: int,
-          cpu_seconds: int) -> dict:
+def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: bool = False) -> dict:
     try:
         cells = notebook_cells(notebook)
     except NotANotebook as exc:
@@ -353,8 +377,7 @@ def grade(notebook: Path, autograder: Path, *, cell_timeout: float, case_timeout
     except OSError as exc:
         return {"ok": False, "error": f"cannot read the notebook: {exc.strerror}"}
     questions = load_tests(autograder)
-    grader = Grader(cells, cell_timeout=cell_timeout, case_timeout=case_timeout, memory=memory,
-                    cpu_seconds=cpu_seconds)
+    grader = Grader(cells, limits, notebook=notebook, require_sandbox=require_sandbox)
     results = [grader.grade_question(q) for q in questions]
     return {"ok": True, "questions": results, "cells": [grader.reports[k] for k in sorted(grader.reports)]}
 
@@ -370,22 +393,18 @@ def _on_term(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedkv.grading.sandbox import DEFAULT_MEMORY
-
     parser = argparse.ArgumentParser(prog="python -m pagedkv.grading.worker")
     parser.add_argument("--autograder", required=True)
     parser.add_argument("--notebook", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cell-timeout", type=float, default=60.0)
-    parser.add_argument("--case-timeout", type=float, default=DEFAULT_CASE_TIMEOUT)
-    parser.add_argument("--memory", type=int, default=DEFAULT_MEMORY)
-    parser.add_argument("--cpu-seconds", type=int, default=900)
+    parser.add_argument("--limits", type=Limits.from_json, default=DEFAULT_LIMITS, help="a Limits as JSON")
+    parser.add_argument("--require-sandbox", action="store_true", help="refuse to grade without bubblewrap")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_term)
     start = time.monotonic()
     try:
-        payload = grade(Path(args.notebook), Path(args.autograder), cell_timeout=args.cell_timeout,
-                        case_timeout=args.case_timeout, memory=args.memory, cpu_seconds=args.cpu_seconds)
+        payload = grade(Path(args.notebook), Path(args.autograder), args.limits,
+                        require_sandbox=args.require_sandbox)
     except BaseException as exc:  # noqa: BLE001 - report, never a traceback to the user
         payload = {"ok": False, "error": f"grading failed: {type(exc).__name__}: {str(exc)[:300]}"}
     payload["seconds"] = time.monotonic() - start

@@ -35,17 +35,12 @@ def main(job_path: str, result_path: str) -> int:
             name = spec["name"]
             t0 = time.perf_counter()
             traces = {}
+            sides = {"manager": vllm_side.VllmManagerSide, "hybrid_manager": vllm_side.VllmHybridManagerSide,
+                     "async_scheduler": vllm_side.VllmAsyncSchedulerSide}
+            side_cls = sides.get(name, vllm_side.VllmSchedulerSide)
             for seed in spec["seeds"]:
-                if name == "manager":
-                    cfg = workloads.manager_config(seed, spec["enable_caching"])
-                    traces[str(seed)] = workloads.run_manager(vllm_side.VllmManagerSide(cfg), seed, cfg)
-                elif name == "async_scheduler":
-                    cfg = workloads.scheduler_config(seed)
-                    side = vllm_side.VllmAsyncSchedulerSide(cfg)
-                    traces[str(seed)] = workloads.run_async_scheduler(side, seed, cfg)
-                else:
-                    cfg = workloads.scheduler_config(seed)
-                    traces[str(seed)] = workloads.run_scheduler(vllm_side.VllmSchedulerSide(cfg), seed, cfg)
+                cfg, drive = workloads.driver(name, seed, spec["enable_caching"])
+                traces[str(seed)] = drive(side_cls(cfg), seed, cfg)
             key = spec.get("key", name)
             result["traces"][key] = traces
             result["seconds"][key] = time.perf_counter() - t0

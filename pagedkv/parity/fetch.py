@@ -36,7 +36,7 @@ WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 
 #: What vLLM 0.26's ``vllm.v1.core`` needs beyond the lab's own environment, found by importing
 #: ``vllm.v1.core.kv_cache_manager`` and ``vllm.v1.core.sched.scheduler`` until nothing was missing
-#: (``/work/shared/notes/vllm-core-on-cpu.md``). Installed without dependencies, each only if the lab's
+#: (``docs/vllm-core-on-cpu.md``). Installed without dependencies, each only if the lab's
 #: environment lacks it; the bounds are vLLM's own where it sets them.
 EXTRA_PACKAGES: list[tuple[str, str]] = [
     ("msgspec", "msgspec"),
@@ -171,6 +171,11 @@ def missing_packages() -> list[str]:
     return out
 
 
+def _is_ready(ready: Path, src: Path) -> bool:
+    """A finished fetch: ``READY`` written (last) and the sources there."""
+    return ready.is_file() and (src / "vllm" / "v1" / "core" / "sched" / "scheduler.py").is_file()
+
+
 def ensure_vllm(log: Callable[[str], None] = print) -> VllmSources:
     """Make vLLM 0.26.0's sources and the extra packages ready (a no-op once done); return where they are.
     Raises :class:`VllmUnavailable` with a one-line reason when that cannot be done."""
@@ -181,12 +186,24 @@ def ensure_vllm(log: Callable[[str], None] = print) -> VllmSources:
     cache = cache_dir()
     src, deps, ready = cache / "src", cache / "deps", cache / "READY"
     sources = VllmSources(cache, src, deps)
-    if ready.is_file() and (src / "vllm" / "v1" / "core" / "sched" / "scheduler.py").is_file():
+    if _is_ready(ready, src):
         return sources
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise VllmUnavailable(f"cannot create the cache folder {cache}: {exc.strerror}") from None
+    import fcntl  # POSIX only, like vLLM itself (refused on Windows above)
+
+    with open(cache / ".lock", "w") as lock:  # one fetch at a time (pytest-xdist workers, two notebooks)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_ready(ready, src):
+            return sources  # another process finished the fetch while this one waited
+        _fetch(cache, src, deps, ready, log)
+    return sources
+
+
+def _fetch(cache: Path, src: Path, deps: Path, ready: Path, log: Callable[[str], None]) -> None:
+    """Download (or reuse) the wheel, unpack its sources, install the extra packages, then write ``READY``."""
     wheel = _wheel(cache, log)
     log(f"unpacking vLLM's Python sources from {wheel.name} into {src} ...")
     _unpack(wheel, src)
@@ -197,4 +214,3 @@ def ensure_vllm(log: Callable[[str], None] = print) -> VllmSources:
     else:
         deps.mkdir(exist_ok=True)
     ready.write_text(json.dumps({"vllm": VLLM_VERSION, "wheel": wheel.name, "installed": missing}) + "\n")
-    return sources

@@ -6,8 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pagedkv.kv_cache_manager import KVCacheManager
-from pagedkv.parity.workloads import ManagerConfig, ManagerSideBase, SchedulerConfig, error_obs
+from pagedkv.parity.workloads import (
+    HYBRID_MAX_MODEL_LEN,
+    HybridManagerConfig,
+    HybridSchedulerConfig,
+    ManagerConfig,
+    ManagerSideBase,
+    SchedulerConfig,
+    error_obs,
+    hybrid_group_specs,
+)
 from pagedkv.request import Request
 from pagedkv.scheduler import Scheduler
 
@@ -84,13 +94,96 @@ class LabManagerSide(ManagerSideBase):
             return error_obs(exc)
 
 
+def hybrid_kv_cache_config(num_blocks: int, block_size: int, groups) -> KVCacheConfig:
+    """The lab's ``KVCacheConfig`` for a hybrid driver's groups (the same specs vLLM's side builds)."""
+    specs = hybrid_group_specs(groups, block_size, FullAttentionSpec, SlidingWindowSpec, KVCacheGroupSpec, "float16")
+    return KVCacheConfig(num_blocks, [], specs)
+
+
+def make_hybrid_manager(cfg: HybridManagerConfig | HybridSchedulerConfig, impl: Any = None) -> Any:
+    """The lab's ``KVCacheManager`` over ``cfg``'s groups, or ``impl`` (a compatible class) built the same way:
+    ``impl(kv_cache_config, max_model_len=..., max_in_flight_tokens=..., enable_caching=...)``."""
+    cls = KVCacheManager if impl is None else impl
+    in_flight = cfg.max_in_flight_tokens if isinstance(cfg, HybridManagerConfig) else None
+    return cls(
+        hybrid_kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.groups),
+        max_model_len=HYBRID_MAX_MODEL_LEN,
+        max_in_flight_tokens=in_flight,
+        enable_caching=cfg.enable_caching,
+    )
+
+
+def _per_group(blocks: Any) -> list[list[int]] | None:
+    """Blocks as one id list per group, whatever form the manager returned (a list for one group)."""
+    if blocks is None:
+        return None
+    groups = blocks.blocks if hasattr(blocks, "blocks") else [blocks]
+    return [[int(b.block_id) for b in g] for g in groups]
+
+
+def group_tables(rid: str, manager: Any) -> dict[str, list[int]]:
+    """``{"rid.g0": [...], ...}``: the request's table in each KV cache group."""
+    return {f"{rid}.g{g}": ids for g, ids in enumerate(_per_group(manager.get_blocks(rid)) or [])}
+
+
+class LabHybridManagerSide(ManagerSideBase):
+    """The lab's ``KVCacheManager`` over a hybrid config, as the hybrid manager driver calls it."""
+
+    def __init__(self, cfg: HybridManagerConfig, impl: Any = None) -> None:
+        self.manager = make_hybrid_manager(cfg, impl)
+        self.requests: dict[str, Request] = {}
+
+    def _obs(self, rid: str, new: Any) -> dict[str, Any]:
+        tables = group_tables(rid, self.manager)
+        return {"new_blocks": _per_group(new), "tables": tables, "num_free": self._free_count()}
+
+    def admit(self, rid: str, tokens: list[int], chunk: int, gate: bool) -> dict[str, Any]:
+        try:
+            request = Request(rid, tokens, max_tokens=1)
+            hits, num_hit_tokens = self.manager.get_computed_blocks(request)
+            num_new = min(chunk, request.num_tokens - num_hit_tokens)
+            new = self.manager.allocate_slots(request, num_new, hits, full_sequence_must_fit=gate)
+            obs: dict[str, Any] = {"hit_tokens": int(num_hit_tokens), "hit_blocks": _per_group(hits)}
+            if new is not None:
+                request.num_computed_tokens = num_hit_tokens + num_new
+                self.requests[rid] = request
+                obs.update(self._obs(rid, new))
+            else:
+                obs["new_blocks"] = None
+            obs["num_free"] = self._free_count()
+            return obs
+        except Exception as exc:
+            return error_obs(exc)
+
+    def grow(self, rid: str, new_tokens: list[int], num_new: int) -> dict[str, Any]:
+        try:
+            request = self.requests[rid]
+            if new_tokens:
+                request.append_output_token_ids(new_tokens)
+            new = self.manager.allocate_slots(request, num_new)
+            if new is not None:
+                request.num_computed_tokens += num_new
+            return self._obs(rid, new)
+        except Exception as exc:
+            return error_obs(exc)
+
+
 class LabSchedulerSide:
     """The lab's ``Scheduler`` (FCFS, recompute, chunked prefill, vLLM 0.26's admission gate on) as the
     scheduler driver calls it; ``impl`` may be a learner's ``Scheduler`` subclass, or a manager or pool class
     to run under the lab's scheduler."""
 
-    def __init__(self, cfg: SchedulerConfig, impl: Any = None) -> None:
-        if impl is not None and is_scheduler_factory(impl):
+    def __init__(self, cfg: SchedulerConfig | HybridSchedulerConfig, impl: Any = None) -> None:
+        self.hybrid = isinstance(cfg, HybridSchedulerConfig)
+        if self.hybrid:
+            if impl is not None and is_scheduler_factory(impl):
+                self.scheduler = impl(make_hybrid_manager(cfg), cfg.max_num_seqs, cfg.max_num_batched_tokens)
+            else:
+                self.scheduler = Scheduler(
+                    make_hybrid_manager(cfg, impl), cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                    scheduler_reserve_full_isl=True,
+                )
+        elif impl is not None and is_scheduler_factory(impl):
             manager = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
             self.scheduler = impl(manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         else:
@@ -114,7 +207,12 @@ class LabSchedulerSide:
             out = s.schedule()
             scheduled = [[rid, int(n)] for rid, n in out.num_scheduled_tokens.items()]
             manager = s.kv_cache_manager
-            tables = {rid: [int(b) for b in manager.get_block_ids(rid)] for rid, _ in scheduled}
+            if self.hybrid:
+                tables = {}
+                for rid, _ in scheduled:
+                    tables.update(group_tables(rid, manager))
+            else:
+                tables = {rid: [int(b) for b in manager.get_block_ids(rid)] for rid, _ in scheduled}
             before = {rid: len(self.requests[rid].output_token_ids) for rid, _ in scheduled}
             samples = {}
             for rid, _ in scheduled:

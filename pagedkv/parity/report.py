@@ -11,6 +11,10 @@ DRIVER_DESCRIPTIONS = {
     "manager": "block pool + KV cache manager: block ids, hit lengths and free counts after every operation",
     "scheduler": "scheduler (FCFS, recompute, chunked prefill, admission gate): scheduled tokens, preemptions, "
     "block tables and kept outputs after every step",
+    "hybrid_manager": "KV cache manager over full + sliding-window groups (and all-sliding): block ids per group, "
+    "hit lengths and free counts after every operation",
+    "hybrid_scheduler": "scheduler over full + sliding-window groups (and all-sliding): scheduled tokens, "
+    "preemptions, block tables per group and kept outputs after every step",
     "async_scheduler": "async scheduler driven as step_with_batch_queue drives it (two batches in flight): "
     "scheduled tokens, placeholders, preemptions, block tables, kept and discarded samples after every call",
 }

@@ -24,6 +24,7 @@ LESSON_DRIVERS: dict[int, list[tuple[str, bool | None]]] = {
     3: [("manager", True)],
     4: [("scheduler", None)],
     7: [("async_scheduler", None)],
+    8: [("hybrid_manager", None), ("hybrid_scheduler", None)],
 }
 WORKER_TIMEOUT_S = 1200.0
 
@@ -107,23 +108,16 @@ def compare(
 
 
 def _lab_trace(name: str, seed: int, enable_caching: bool | None, impl: Any) -> tuple[dict[str, Any], list]:
-    from pagedkv.parity.lab_side import LabAsyncSchedulerSide, LabManagerSide, LabSchedulerSide
+    from pagedkv.parity.lab_side import LabAsyncSchedulerSide, LabHybridManagerSide, LabManagerSide, LabSchedulerSide
 
-    cfg: workloads.ManagerConfig | workloads.SchedulerConfig
-    if name == "manager":
-        cfg = workloads.manager_config(seed, bool(enable_caching))
-    else:
-        cfg = workloads.scheduler_config(seed)
-    side_cls = {"manager": LabManagerSide, "scheduler": LabSchedulerSide, "async_scheduler": LabAsyncSchedulerSide}
+    cfg, drive = workloads.driver(name, seed, enable_caching)
+    side_cls = {"manager": LabManagerSide, "hybrid_manager": LabHybridManagerSide,
+                "async_scheduler": LabAsyncSchedulerSide}.get(name, LabSchedulerSide)
     try:
-        side = side_cls[name](cfg, impl)  # type: ignore[arg-type]
+        side = side_cls(cfg, impl)
     except Exception as exc:  # noqa: BLE001 - a learner's constructor failing is a divergence at entry 0
         return workloads.config_dict(cfg), [{"op": {"op": "create"}, "obs": workloads.error_obs(exc)}]
-    if name == "manager":
-        return workloads.config_dict(cfg), workloads.run_manager(side, seed, cfg)  # type: ignore[arg-type]
-    if name == "async_scheduler":
-        return workloads.config_dict(cfg), workloads.run_async_scheduler(side, seed, cfg)  # type: ignore[arg-type]
-    return workloads.config_dict(cfg), workloads.run_scheduler(side, seed, cfg)  # type: ignore[arg-type]
+    return workloads.config_dict(cfg), drive(side, seed, cfg)
 
 
 def who(impl: Any, lessons: list[int]) -> str:

@@ -2,7 +2,7 @@
 :mod:`pagedkv.parity.workloads`. Imported only inside the worker process (:mod:`pagedkv.parity._worker`),
 where vLLM's unpacked sources are importable; nothing of vLLM's compiled code is loaded.
 
-Built as ``/work/shared/notes``-style facts say vLLM's core runs on a CPU: a ``KVCacheConfig`` with one
+Built as ``docs/vllm-core-on-cpu.md`` says vLLM's core runs on a CPU: a ``KVCacheConfig`` with one
 full-attention group; block hashes with ``sha256`` after ``init_none_hash``; the scheduler from real
 ``SchedulerConfig``/``CacheConfig``/``ParallelConfig``/``ObservabilityConfig``/``KVEventsConfig`` and a
 stand-in for ``ModelConfig`` (which would need vLLM's model registry) answering the attributes the
@@ -24,11 +24,20 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from pagedkv.parity.workloads import ManagerConfig, ManagerSideBase, SchedulerConfig, error_obs
+from pagedkv.parity.workloads import (
+    HYBRID_MAX_MODEL_LEN,
+    HybridManagerConfig,
+    HybridSchedulerConfig,
+    ManagerConfig,
+    ManagerSideBase,
+    SchedulerConfig,
+    error_obs,
+    hybrid_group_specs,
+)
 
 MAX_MODEL_LEN = 4096
 init_none_hash(sha256)
@@ -37,6 +46,18 @@ init_none_hash(sha256)
 def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+
+
+def hybrid_kv_cache_config(num_blocks: int, block_size: int, groups) -> KVCacheConfig:
+    specs = hybrid_group_specs(
+        groups, block_size, FullAttentionSpec, SlidingWindowSpec, KVCacheGroupSpec, torch.float16
+    )
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
+
+
+def group_tables(rid: str, block_ids) -> dict[str, list[int]]:
+    """``{"rid.g0": [...], "rid.g1": [...]}``: one table per KV cache group."""
+    return {f"{rid}.g{g}": [int(b) for b in ids] for g, ids in enumerate(block_ids)}
 
 
 def make_request(rid: str, tokens: list[int], max_tokens: int, block_size: int,
@@ -110,7 +131,65 @@ class _NoStructuredOutput:
         return None
 
 
-def make_scheduler(cfg: SchedulerConfig, async_scheduling: bool = False) -> Scheduler:
+class VllmHybridManagerSide(ManagerSideBase):
+    """vLLM 0.26's ``KVCacheManager`` over a hybrid ``KVCacheConfig`` (lesson 8)."""
+
+    def __init__(self, cfg: HybridManagerConfig) -> None:
+        self.cfg = cfg
+        self.manager = KVCacheManager(
+            hybrid_kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.groups),
+            max_model_len=HYBRID_MAX_MODEL_LEN,
+            scheduler_block_size=cfg.block_size,
+            hash_block_size=cfg.block_size,
+            max_in_flight_tokens=cfg.max_in_flight_tokens,
+            enable_caching=cfg.enable_caching,
+        )
+        self.requests: dict[str, Request] = {}
+
+    def _obs(self, rid: str, new) -> dict[str, Any]:
+        return {
+            "new_blocks": None if new is None else [[int(b.block_id) for b in g] for g in new.blocks],
+            "tables": group_tables(rid, self.manager.get_block_ids(rid)),
+            "num_free": self._free_count(),
+        }
+
+    def admit(self, rid: str, tokens: list[int], chunk: int, gate: bool) -> dict[str, Any]:
+        try:
+            request = make_request(rid, tokens, 1, self.cfg.block_size)
+            hits, num_hit_tokens, _ = self.manager.get_computed_blocks(request)
+            num_new = min(chunk, request.num_tokens - num_hit_tokens)
+            new = self.manager.allocate_slots(
+                request, num_new, num_hit_tokens, hits, full_sequence_must_fit=gate
+            )
+            obs: dict[str, Any] = {
+                "hit_tokens": int(num_hit_tokens),
+                "hit_blocks": [[int(b.block_id) for b in g] for g in hits.blocks],
+            }
+            if new is not None:
+                request.num_computed_tokens = num_hit_tokens + num_new
+                self.requests[rid] = request
+                obs.update(self._obs(rid, new))
+            else:
+                obs["new_blocks"] = None
+            obs["num_free"] = self._free_count()
+            return obs
+        except Exception as exc:
+            return error_obs(exc)
+
+    def grow(self, rid: str, new_tokens: list[int], num_new: int) -> dict[str, Any]:
+        try:
+            request = self.requests[rid]
+            for token in new_tokens:
+                request.append_output_token_ids(int(token))
+            new = self.manager.allocate_slots(request, num_new)
+            if new is not None:
+                request.num_computed_tokens += num_new
+            return self._obs(rid, new)
+        except Exception as exc:
+            return error_obs(exc)
+
+
+def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig, async_scheduling: bool = False) -> Scheduler:
     sched = VllmSchedulerConfig(
         max_model_len=MAX_MODEL_LEN,
         is_encoder_decoder=False,
@@ -131,6 +210,7 @@ def make_scheduler(cfg: SchedulerConfig, async_scheduling: bool = False) -> Sche
         uses_mrope=False,
         enable_return_routed_experts=False,
     )
+    hybrid = isinstance(cfg, HybridSchedulerConfig)
     vllm_config = SimpleNamespace(
         scheduler_config=sched,
         cache_config=cache,
@@ -143,14 +223,21 @@ def make_scheduler(cfg: SchedulerConfig, async_scheduling: bool = False) -> Sche
         ec_transfer_config=None,
         speculative_config=None,
         num_speculative_tokens=0,
-        max_in_flight_tokens=None,
+        # What VllmConfig.max_in_flight_tokens is (max_concurrent_batches · max_num_batched_tokens); the
+        # lessons 2-4 drivers keep None (no sliding group reads it).
+        max_in_flight_tokens=cfg.max_num_batched_tokens if hybrid else None,
         # async: what 0.26 runs for dense models (Model Runner V2, two batches in flight)
         use_v2_model_runner=async_scheduling,
         max_concurrent_batches=2 if async_scheduling else 1,
     )
+    kv_config = (
+        hybrid_kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.groups)  # type: ignore[union-attr]
+        if hybrid
+        else kv_cache_config(cfg.num_blocks, cfg.block_size)
+    )
     return (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config,
-        kv_cache_config(cfg.num_blocks, cfg.block_size),
+        kv_config,
         structured_output_manager=_NoStructuredOutput(),
         block_size=cfg.block_size,
         log_stats=False,
@@ -158,7 +245,7 @@ def make_scheduler(cfg: SchedulerConfig, async_scheduling: bool = False) -> Sche
 
 
 class VllmSchedulerSide:
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig | HybridSchedulerConfig) -> None:
         self.cfg = cfg
         self.scheduler = make_scheduler(cfg)
         self.requests: dict[str, Request] = {}
@@ -176,7 +263,12 @@ class VllmSchedulerSide:
         try:
             out = s.schedule()
             scheduled = [[rid, int(n)] for rid, n in out.num_scheduled_tokens.items()]
-            tables = {rid: [int(b) for b in s.kv_cache_manager.get_block_ids(rid)[0]] for rid, _ in scheduled}
+            if isinstance(self.cfg, HybridSchedulerConfig):
+                tables = {}
+                for rid, _ in scheduled:
+                    tables.update(group_tables(rid, s.kv_cache_manager.get_block_ids(rid)))
+            else:
+                tables = {rid: [int(b) for b in s.kv_cache_manager.get_block_ids(rid)[0]] for rid, _ in scheduled}
             before = {rid: len(self.requests[rid].output_token_ids) for rid, _ in scheduled}
             ids = [rid for rid, _ in scheduled]
             sampled: list[list[int]] = []

@@ -15,6 +15,12 @@ Side interfaces:
 - scheduler side (driver ``"scheduler"``): ``add(rid, prompt, max_tokens)``, ``step(sample) -> obs`` (one
   ``schedule()`` then ``update_from_output()`` with ``sample(tokens)`` for every request whose chunk reached
   the end of its tokens), ``has_unfinished() -> bool``;
+- hybrid manager side (driver ``"hybrid_manager"``, lesson 8: KV cache groups of full and sliding-window
+  attention on one pool): ``admit(rid, tokens, chunk, full_sequence_must_fit) -> obs`` (look up the prefix
+  cache, allocate the hits and ``chunk`` tokens), ``grow(rid, new_tokens, num_new) -> obs`` (append
+  ``new_tokens``, then allocate ``num_new`` more tokens: a prefill chunk or decodes), ``free(rid)``,
+  ``reset()``; block ids per group (``tables`` keyed ``"rid.gG"``), hit lengths and free counts;
+- hybrid scheduler side (driver ``"hybrid_scheduler"``): as the scheduler side, over a hybrid config;
 - async scheduler side (driver ``"async_scheduler"``, :func:`run_async_scheduler`): ``schedule()`` and
   ``update()`` called apart, in ``step_with_batch_queue``'s order, two batches in flight.
 """
@@ -158,9 +164,17 @@ def scheduler_requests(seed: int, cfg: SchedulerConfig) -> list[tuple[int, str, 
     return sorted(out, key=lambda x: x[0])
 
 
-def run_scheduler(side: Any, seed: int, cfg: SchedulerConfig, max_steps: int = 400) -> list[dict[str, Any]]:
-    """Drive a scheduler side step by step until every request finished; one record per step."""
-    requests = scheduler_requests(seed, cfg)
+def run_scheduler(
+    side: Any,
+    seed: int,
+    cfg: SchedulerConfig | HybridSchedulerConfig,
+    max_steps: int = 400,
+    requests: list[tuple[int, str, list[int], int]] | None = None,
+) -> list[dict[str, Any]]:
+    """Drive a scheduler side step by step until every request finished; one record per step. ``requests``
+    defaults to ``scheduler_requests(seed, cfg)``."""
+    if requests is None:
+        requests = scheduler_requests(seed, cfg)  # type: ignore[arg-type]
     trace: list[dict[str, Any]] = []
     last_arrival = max(a for a, *_ in requests)
     for step in range(max_steps):
@@ -226,6 +240,194 @@ def run_async_scheduler(side: Any, seed: int, cfg: SchedulerConfig, max_calls: i
     return trace
 
 
-def config_dict(cfg: ManagerConfig | SchedulerConfig) -> dict[str, Any]:
+def config_dict(cfg: Any) -> dict[str, Any]:
     return asdict(cfg)
 
+
+# --------------------------------------------------------------------------------------------------------
+# Lesson 8: KV cache groups (full attention and sliding window on one pool)
+# --------------------------------------------------------------------------------------------------------
+#: vLLM's ``max_model_len`` on both sides of the hybrid drivers (the workloads stay far below it).
+HYBRID_MAX_MODEL_LEN = 4096
+#: Group layouts the hybrid drivers draw from: each group ``("full", None)`` or ``("sliding", window)``;
+#: ``W`` stands for the config's window. Two sliding groups of one spec is how vLLM groups a model with more
+#: sliding than full layers (Gemma 3: one full group, several sliding groups of the same size).
+HYBRID_LAYOUTS = {
+    "full+sliding": [("full", None), ("sliding", "W")],
+    "sliding": [("sliding", "W")],
+    "full+sliding+sliding": [("full", None), ("sliding", "W"), ("sliding", "W")],
+}
+
+
+@dataclass(frozen=True)
+class HybridManagerConfig:
+    num_blocks: int
+    block_size: int
+    groups: tuple[tuple[str, int | None], ...]
+    enable_caching: bool
+    max_in_flight_tokens: int
+
+
+@dataclass(frozen=True)
+class HybridSchedulerConfig:
+    num_blocks: int
+    block_size: int
+    groups: tuple[tuple[str, int | None], ...]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_caching: bool
+
+
+def _layout(rng: random.Random, block_size: int) -> tuple[tuple[str, int | None], ...]:
+    layout = HYBRID_LAYOUTS[rng.choice(sorted(HYBRID_LAYOUTS))]
+    window = rng.randint(2, 4 * block_size + 3)
+    return tuple((kind, window if w == "W" else None) for kind, w in layout)
+
+
+def hybrid_group_specs(
+    groups: Sequence[tuple[str, int | None]],
+    block_size: int,
+    full_cls: Any,
+    sliding_cls: Any,
+    group_cls: Any,
+    dtype: Any,
+) -> list[Any]:
+    """One ``group_cls([layer], spec)`` per ``(kind, window)``, with the given spec classes: vLLM's on its
+    side, the lab's on the other (one head of size 8; the managers never read the bytes)."""
+    out = []
+    for i, (kind, window) in enumerate(groups):
+        common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": dtype}
+        spec = full_cls(**common) if kind == "full" else sliding_cls(sliding_window=window, **common)
+        out.append(group_cls([f"{kind}.{i}"], spec))
+    return out
+
+
+def hybrid_manager_config(seed: int) -> HybridManagerConfig:
+    rng = random.Random(f"hybrid-manager-config-{seed}")
+    block_size = rng.choice([1, 2, 4, 8])
+    return HybridManagerConfig(
+        num_blocks=rng.randint(8, 40),
+        block_size=block_size,
+        groups=_layout(rng, block_size),
+        enable_caching=rng.random() < 0.85,
+        max_in_flight_tokens=rng.randint(1, 16),
+    )
+
+
+def hybrid_scheduler_config(seed: int) -> HybridSchedulerConfig:
+    rng = random.Random(f"hybrid-scheduler-config-{seed}")
+    block_size = rng.choice([2, 4, 8])
+    max_num_seqs = rng.randint(1, 6)
+    return HybridSchedulerConfig(
+        num_blocks=rng.randint(10, 40),
+        block_size=block_size,
+        groups=_layout(rng, block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=rng.randint(max(4, max_num_seqs), 48),
+        enable_caching=rng.random() < 0.75,
+    )
+
+
+def hybrid_blocks_needed(cfg: HybridSchedulerConfig, num_tokens: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens holds at once over every group (a sliding group at
+    most ``cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1``)."""
+    bs = cfg.block_size
+    total = 0
+    for kind, window in cfg.groups:
+        n = -(-num_tokens // bs)
+        if kind == "sliding":
+            assert window is not None
+            n = min(n, -(-min(window - 1 + cfg.max_num_batched_tokens, HYBRID_MAX_MODEL_LEN) // bs) + 1)
+        total += n
+    return total
+
+
+def _hybrid_roots(rng: random.Random, block_size: int) -> list[list[int]]:
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(block_size, 6 * block_size))] for _ in range(3)]
+
+
+def run_hybrid_manager(side: Any, seed: int, cfg: HybridManagerConfig, num_ops: int = 80) -> list[dict[str, Any]]:
+    """Drive a hybrid manager side through ``num_ops`` random operations: admissions that share prefixes
+    (some by chunks), prefill chunks and decodes that carry requests past their windows, frees (which make
+    later admissions evict cached blocks) and resets; one record per operation."""
+    rng = random.Random(f"hybrid-manager-ops-{seed}")
+    roots = _hybrid_roots(rng, cfg.block_size)
+    held: dict[str, int] = {}  # request -> tokens still to prefill (0: decoding), as this side observed
+    trace: list[dict[str, Any]] = []
+    next_id = 0
+    for _ in range(num_ops):
+        r = rng.random()
+        if not held or r < 0.3:
+            rid = f"h{next_id}"
+            next_id += 1
+            tokens = _prompt(rng, roots)
+            chunk = len(tokens) if rng.random() < 0.5 else rng.randint(1, len(tokens))
+            gate = rng.random() < 0.5
+            op = {"op": "admit", "rid": rid, "tokens": tokens, "chunk": chunk, "gate": gate}
+            obs = side.admit(rid, tokens, chunk, gate)
+            if obs.get("new_blocks") is not None:
+                held[rid] = len(tokens) - obs["hit_tokens"] - min(chunk, len(tokens) - obs["hit_tokens"])
+        elif r < 0.78:
+            rid = rng.choice(sorted(held))
+            if held[rid] > 0:
+                new_tokens: list[int] = []
+                num_new = min(held[rid], rng.randint(1, 8))
+            else:
+                new_tokens = [rng.randrange(VOCAB) for _ in range(1 if rng.random() < 0.8 else rng.randint(2, 4))]
+                num_new = len(new_tokens)
+            op = {"op": "grow", "rid": rid, "new_tokens": new_tokens, "num_new": num_new}
+            obs = side.grow(rid, new_tokens, num_new)
+            if obs.get("new_blocks") is not None and held[rid] > 0:
+                held[rid] -= num_new
+        elif r < 0.96:
+            rid = rng.choice(sorted(held))
+            op = {"op": "free", "rid": rid}
+            obs = side.free(rid)
+            del held[rid]
+        else:
+            op = {"op": "reset"}
+            obs = side.reset()
+        trace.append({"op": op, "obs": obs})
+        if "error" in obs:
+            break
+    return trace
+
+
+def hybrid_scheduler_requests(seed: int, cfg: HybridSchedulerConfig) -> list[tuple[int, str, list[int], int]]:
+    """``(arrival_step, request_id, prompt, max_tokens)``: prompts that share prefixes and outgrow the window;
+    each fits alone (``hybrid_blocks_needed``), some only because their sliding groups release blocks."""
+    rng = random.Random(f"hybrid-scheduler-requests-{seed}")
+    roots = _hybrid_roots(rng, cfg.block_size)
+    usable = cfg.num_blocks - 1
+    out = []
+    for i in range(rng.randint(4, 12)):
+        prompt = _prompt(rng, roots)
+        max_tokens = rng.randint(1, 24)
+        while hybrid_blocks_needed(cfg, len(prompt) + max_tokens) > usable and max_tokens > 1:
+            max_tokens -= 1
+        while hybrid_blocks_needed(cfg, len(prompt) + max_tokens) > usable and len(prompt) > 1:
+            prompt.pop()
+        out.append((rng.randint(0, 6), f"s{i}", prompt, max_tokens))
+    return sorted(out, key=lambda x: x[0])
+
+
+def run_hybrid_scheduler(side: Any, seed: int, cfg: HybridSchedulerConfig) -> list[dict[str, Any]]:
+    """``run_scheduler`` over a hybrid config's requests."""
+    return run_scheduler(side, seed, cfg, requests=hybrid_scheduler_requests(seed, cfg))
+
+
+
+def driver(name: str, seed: int, enable_caching: bool | None) -> tuple[Any, Any]:
+    """Driver ``name``'s config for ``seed`` and the loop that runs a side through it: ``(cfg, run)``, called
+    as ``run(side, seed, cfg)``."""
+    if name == "manager":
+        return manager_config(seed, bool(enable_caching)), run_manager
+    if name == "scheduler":
+        return scheduler_config(seed), run_scheduler
+    if name == "hybrid_manager":
+        return hybrid_manager_config(seed), run_hybrid_manager
+    if name == "hybrid_scheduler":
+        return hybrid_scheduler_config(seed), run_hybrid_scheduler
+    if name == "async_scheduler":
+        return scheduler_config(seed), run_async_scheduler
+    raise ValueError(f"unknown parity driver {name!r}")

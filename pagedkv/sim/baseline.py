@@ -14,9 +14,10 @@ There is no vLLM counterpart; this is the "Orca (Max)" baseline of the PagedAtte
 from __future__ import annotations
 
 from pagedkv.contiguous import FirstFitAllocator
-from pagedkv.kv_cache_manager import KVCacheManager, cdiv
+from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.kv_cache_utils import KVCacheBlock
 from pagedkv.request import Request
+from pagedkv.utils import cdiv, check_int
 
 
 class ContiguousKVCacheManager(KVCacheManager):
@@ -55,8 +56,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         holds once it is made and changes nothing here."""
         if new_computed_blocks:
             raise ValueError("the contiguous baseline has no prefix cache")
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        num_new_tokens = check_int(num_new_tokens, "num_new_tokens", 0)
         rid = request.request_id
         need = request.num_computed_tokens + num_new_tokens
         if need > self.max_len:

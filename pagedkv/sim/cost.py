@@ -35,7 +35,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedkv.kv_cache_manager import cdiv
+from pagedkv.utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from pagedkv.utils import check_int
 from pagedkv.widgets.filmstrip import DEFAULT_MAX_FRAMES, fit_filmstrip
 from pagedkv.widgets.frames import ROLES, encode_views, request_colours, request_order, roles_used, view_frames
 from pagedkv.widgets.svg import render_view_svg
@@ -85,8 +86,7 @@ class BlockTableWidget(anywidget.AnyWidget):
             raise ValueError(
                 f'static_frame must be "keyframes" or an int in [{-n}, {n - 1}] for {n} frames, got {static_frame!r}'
             )
-        if not isinstance(static_max_frames, int) or isinstance(static_max_frames, bool) or static_max_frames < 1:
-            raise ValueError(f"static_max_frames must be an int >= 1, got {static_max_frames!r}")
+        check_int(static_max_frames, "static_max_frames", 1)
         if not fps > 0:
             raise ValueError(f"fps must be > 0, got {fps!r}")
         ids = request_order(raw)
@@ -156,7 +156,7 @@ class BlockTableWidget(anywidget.AnyWidget):
                 f'<img src="{data_uri}" alt="block table, frame {k}: {caption}" style="max-width: 100%"/></div>'
             ),
             "image/svg+xml": svg,
-            "text/plain": f"[block table, frame {k} of {len(self.frames) - 1}: {self.views[k]['caption']}]",
+            "text/plain": f"[block table, frame {k} (of 0–{len(self.frames) - 1}): {self.views[k]['caption']}]",
         }
 
     def _filmstrip(self, max_frames: int | None) -> tuple[str, list[tuple[int, str]]]:

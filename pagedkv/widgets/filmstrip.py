@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagedkv.utils import check_int
 from pagedkv.widgets.svg import INK, MUTED, _Canvas, _document, _t, draw_legend, render_view_svg
 
 #: The moments a filmstrip looks for: (label, event kinds that mark it), most telling first. When a trace has
@@ -52,8 +53,7 @@ def key_frames(views: Sequence[Mapping[str, Any]], max_frames: int = DEFAULT_MAX
     the last frame if it still holds blocks. A trace with none of these moments gives its last frame (or its
     only one). ``max_frames`` (>= 1) caps the count; the most telling moments are kept.
     """
-    if not isinstance(max_frames, int) or isinstance(max_frames, bool) or max_frames < 1:
-        raise ValueError(f"max_frames must be an int >= 1, got {max_frames!r}")
+    check_int(max_frames, "max_frames", 1)
     if not views:
         raise ValueError("views is empty: a trace has at least its initial frame")
     first: dict[str, int] = {}

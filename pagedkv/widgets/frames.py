@@ -96,11 +96,38 @@ def validate_frames(frames: Sequence[Mapping[str, Any]]) -> None:
             raise ValueError(f"frame {k}: event must be a dict (TraceEvent.to_dict()) or None, got {event!r:.80}")
 
 
+def group_label(group: Mapping[str, Any]) -> str:
+    """A KV cache group's short name: ``"full"`` or ``"window 8"``."""
+    if group.get("kind") == "sliding_window":
+        return f"window {group.get('sliding_window')}"
+    return "full"
+
+
+def table_rows(state: Mapping[str, Any]) -> list[tuple[str, list[int], str]]:
+    """``(request id, block ids, group label)`` per table: one per request, or, in the snapshot of a manager
+    with several KV cache groups (or a sliding-window one), one per request and group (label ``""`` when
+    there is one full-attention group)."""
+    groups = state.get("groups")
+    tables = state.get("group_block_tables")
+    if not groups or tables is None or (len(groups) == 1 and groups[0].get("kind") != "sliding_window"):
+        return [(str(rid), [int(x) for x in ids], "") for rid, ids in state["block_tables"].items()]
+    labels = [group_label(g) for g in groups]
+    return [
+        (str(rid), [int(x) for x in ids], labels[g])
+        for rid, per_group in tables.items()
+        for g, ids in enumerate(per_group)
+    ]
+
+
 def block_owners(state: Mapping[str, Any]) -> dict[int, list[str]]:
-    """Block id → the requests whose block table holds it, in table order of the requests."""
+    """Block id → the requests whose block table (in any group) holds it, in table order of the requests.
+    The null block has no owner."""
+    nulls = {int(b["block_id"]) for b in state.get("blocks", []) if b.get("null")}
     owners: dict[int, list[str]] = {}
-    for rid, ids in state["block_tables"].items():
+    for rid, ids, _ in table_rows(state):
         for bid in ids:
+            if int(bid) in nulls:
+                continue
             holders = owners.setdefault(int(bid), [])
             if rid not in holders:
                 holders.append(str(rid))
@@ -219,8 +246,10 @@ def view_frame(frame: Mapping[str, Any], index: int = 0) -> dict[str, Any]:
         "hash": [None if h is None else str(h) for h in hashes],
         "null": nulls,
         "owners": [owners.get(int(b["block_id"]), []) for b in blocks],
+        # [request id, block ids, tokens, (group label: only with KV cache groups)]
         "tables": [
-            [str(rid), [int(x) for x in ids], int(num_tokens.get(rid, 0))] for rid, ids in state["block_tables"].items()
+            [rid, ids, int(num_tokens.get(rid, 0)), *([group] if group else [])]
+            for rid, ids, group in table_rows(state)
         ],
         "free": free,
         "hl": hl,
@@ -281,7 +310,7 @@ def encode_views(views: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Compress a trace's views for the browser: the first frame whole, each later one as its changes.
 
     Per-block lists (``ref``, ``hash``, ``owners``) become ``d_<key>: [[block_id, value], ...]`` for the blocks
-    that changed; tables become ``d_tables: [[row, block_ids, num_tokens], ...]`` while the requests holding
+    that changed; tables become ``d_tables: [[row, block_ids, num_tokens(, group)], ...]`` while the rows
     tables stay the same; the free queue, queues and CPU pool are left out when unchanged. A frame whose
     pool size differs is sent whole (``full``). ``static/block_table.js`` (``decodeFrames``) and
     ``decode_views`` undo it. A 200-block, 900-frame scheduler trace shrinks about tenfold.
@@ -332,8 +361,8 @@ def decode_views(encoded: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 f[key] = prev[key]
         if "tables" not in e:
             tables = [list(row) for row in prev["tables"]]
-            for i, ids, ntok in e.get("d_tables", []):
-                tables[i] = [tables[i][0], ids, ntok]
+            for i, *rest in e.get("d_tables", []):
+                tables[i] = [tables[i][0], *rest]
             f["tables"] = tables
         out.append(f)
     return out

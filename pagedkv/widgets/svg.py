@@ -210,7 +210,7 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
     c.add(_t(x, y + 13, caption, 13, weight="bold"))
     y += 24
     st = view["stats"]
-    where = f"frame {view['index']}" + (f" of {total - 1}" if total else "")
+    where = f"frame {view['index']}" + (f" (of 0–{total - 1})" if total else "")  # numbered as frames[k]
     if view.get("step") is not None:
         where += f" · step {view['step']}"
     c.add(_t(pad, y + 11, f"{where} · free {st['free']}/{st['usable']} blocks · usage {st['usage']:.0%} · "
@@ -270,10 +270,12 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
         if not view["tables"]:
             c.add(_t(pad, y + 12, "(no request holds blocks)", 11.5, fill=MUTED))
             y += 22
-        for rid, ids, ntok in view["tables"]:
+        for rid, ids, ntok, *group in view["tables"]:
             ring = INK if rid in (actor, view.get("parent")) else None
             _chip(c, pad, y + 12, rid, colours, rid, ring=ring)
             c.add(_t(pad, y + 44, f"{ntok} tokens" if ntok else "", 10, fill=MUTED))
+            if group:  # one table per KV cache group: say which
+                c.add(_t(pad, y + 56, group[0], 10, fill=MUTED, extra=' font-style="italic"'))
             for i, bid in enumerate(ids):
                 r, k = divmod(i, per_row)
                 tx, ty = pad + label_w + k * (ts + tgap), y + 10 + r * (ts + 16)
@@ -290,7 +292,7 @@ def render_view_svg(view: Mapping[str, Any], colours: Mapping[str, list[str]], *
                     c.add(_t(tx + ts - 1.5, ty + ts - 2, f"×{view['ref'][bid]}", 7.5,
                              fill=colours.get(rid, ["", INK])[1], weight="bold", anchor="end"))  # fmt: skip
             nrows = max(1, -(-len(ids) // per_row))
-            y += max(50, 10 + nrows * (ts + 16)) + 4
+            y += max(62 if group else 50, 10 + nrows * (ts + 16)) + 4
 
     # Scheduler queues and the CPU swap pool.
     if view.get("running") is not None:

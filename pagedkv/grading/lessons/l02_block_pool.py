@@ -602,9 +602,17 @@ def _allocate_slots_grow(allocate_slots):
         missing = max(0, need - len(table))
         free = [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
         before = state(manager)
-        got = run(allocate_slots, (manager, req, new), name="allocate_slots")
         call = (f"{label}: allocate_slots(manager, request {req.request_id!r}, {new}) at {computed} computed tokens "
                 f"(block_size {bs}, table of {len(table)} blocks, {len(free)} free)")
+        try:
+            got = run(allocate_slots, (manager, req, new), name="allocate_slots")
+        except AssertionError as exc:
+            if missing <= len(free):
+                raise
+            text = str(exc)
+            text = text[text.find(" raised "):] if " raised " in text else f": {text}"
+            fail(f"{call}{text}. Hint: {missing} block(s) are missing and only {len(free)} free: all or nothing, "
+                 "so return None (before taking any block) instead of asking the pool for more than it has")
         if missing > len(free):
             if got is not None:
                 fail(f"{call} returned {describe(got)}, expected None: {missing} more block(s) needed, "

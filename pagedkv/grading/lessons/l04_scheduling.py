@@ -24,11 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.kv_cache_manager import KVCacheManager, cdiv
+from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.request import Request, RequestStatus
 from pagedkv.scheduler import Scheduler, _StepState
 from pagedkv.sim.model import FakeModel
 from pagedkv.sim.runner import KVCacheCorruptionError, SimModelRunner
+from pagedkv.utils import cdiv, check_int
 
 MODEL = FakeModel(vocab_size=1000, seed=4)
 
@@ -81,8 +82,7 @@ class StepView:
         rid = getattr(request, "request_id", None)
         if not isinstance(request, Request):
             raise ValueError(f"step.schedule takes a Request, got {type(request).__name__}")
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
-            raise ValueError(f"step.schedule({rid!r}, {num_new_tokens!r}): the number of tokens must be an int >= 1")
+        check_int(num_new_tokens, f"step.schedule({rid!r}, ...): the number of tokens", 1)
         if rid in state.num_scheduled_tokens:
             raise ValueError(f"step.schedule({rid!r}, ...): {rid!r} is already scheduled in this step")
         if num_new_tokens > state.token_budget:

@@ -248,9 +248,9 @@ def random_metadata(seed: int, num_layers: int = 2):
 
 
 def _clone_meta(meta: AttentionMetadata) -> AttentionMetadata:
-    m = copy.copy(meta)
-    m.kv_caches = [(k.clone(), v.clone()) for k, v in meta.kv_caches]
-    return m
+    """A deep copy: what the learner's function gets, and what the reference runs on, share no tensor (a
+    ``slot_mapping.fill_(-1)`` in the learner's call must not reach the reference or the check)."""
+    return copy.deepcopy(meta)
 
 
 def _attend(q, key_cache, value_cache, meta, scale, *, gqa="interleave", causal="offset", prefix=True):
@@ -491,8 +491,7 @@ def plugged(prepare=None, attention=None):
             # Fresh tensors every call (the learner's process gets whole copies), the caches copied back after.
             layer = Layer(module.layer_idx, getattr(module, "num_key_value_groups", 1))
             meta = kwargs["pagedkv_metadata"]
-            mine = copy.copy(meta)
-            mine.kv_caches = [(k.clone(), v.clone()) for k, v in meta.kv_caches]
+            mine = _clone_meta(meta)  # the engine's own metadata stays out of the learner's reach
             out = attention(layer, query.clone(), key.clone(), value.clone(), attention_mask, scaling=scaling,
                             pagedkv_metadata=mine)
             for (k, v), (mk, mv) in zip(meta.kv_caches, mine.kv_caches, strict=True):

@@ -41,7 +41,7 @@ export function decodeFrames(encoded) {
     for (const key of WHEN_CHANGED) if (!(key in e)) f[key] = prev[key];
     if (!("tables" in e)) {
       f.tables = prev.tables.map((row) => row.slice());
-      for (const [i, ids, ntok] of e.d_tables || []) f.tables[i] = [f.tables[i][0], ids, ntok];
+      for (const [i, ...rest] of e.d_tables || []) f.tables[i] = [f.tables[i][0], ...rest];
     }
     out.push(f);
   }
@@ -290,12 +290,14 @@ function render({ model, el }) {
     const bs = Math.max(1, f.block_size);
     const entries = f.tables.reduce((n, row) => n + row[1].length, 0);
     tables.classList.toggle("pkv-compact", f.tables.length > 8 || entries > 96);
-    for (const [rid, ids, ntok] of f.tables) {
+    const nulls = new Set(f.null);
+    for (const [rid, ids, ntok, group] of f.tables) {
       const row = h("div", "pkv-table-row");
       row.dataset.requestId = rid;
       if (rid === f.request_id || rid === f.parent) row.classList.add("pkv-active");
       const label = h("div", "pkv-table-label");
       label.append(chip(rid), h("span", "pkv-ntok", ntok ? `${ntok} tok` : ""));
+      if (group) label.append(h("span", "pkv-group", group));
       const slots = h("div", "pkv-slots");
       ids.forEach((b, i) => {
         const slot = h("div", "pkv-slot");
@@ -306,6 +308,14 @@ function render({ model, el }) {
         const [bg, fg] = colourOf(rid);
         p.style.background = bg;
         p.style.color = fg;
+        if (nulls.has(b)) {
+          // A sliding-window table's entry the window has moved past: freed, the null block in its place.
+          p.classList.add("pkv-null-entry");
+          p.style.background = "repeating-linear-gradient(45deg, #adb5bd 0 3px, #dee2e6 3px 6px)";
+          p.style.color = "#343a40";
+          p.textContent = "null";
+          p.title = `${rid} (${group}): logical block ${i} is out of the window: freed, the null block in its place`;
+        }
         if (f.hash[b] !== null) p.classList.add("pkv-cached");
         if (f.ref[b] > 1) {
           p.classList.add("pkv-shared-entry");
@@ -423,14 +433,14 @@ function render({ model, el }) {
     badge.style.background = f.kind_colour;
     captionText.textContent = f.caption;
     const s = f.stats;
-    let where = `frame ${cur} of ${frames.length - 1}`;
+    let where = `frame ${cur} (of 0–${frames.length - 1})`;  // numbered from 0, as recorder.frames[k]
     if (f.step !== null && f.step !== undefined) where += ` · step ${f.step}`;
     stats.textContent =
       `${where} · free ${s.free}/${s.usable} blocks · usage ${Math.round(100 * s.usage)}% · ` +
       `cached ${s.cached} (${s.cached_free} evictable) · block_size ${f.block_size}`;
     scrubber.max = String(frames.length - 1);
     scrubber.value = String(cur);
-    frameLabel.textContent = `${cur} / ${frames.length - 1}`;
+    frameLabel.textContent = `${cur} of 0–${frames.length - 1}`;
     back.disabled = cur === 0;
     fwd.disabled = cur === frames.length - 1;
     drawPool(f, hl);

@@ -1,0 +1,463 @@
+"""``pagedkv bench serve``: a load generator for the lab's OpenAI-compatible server, like ``vllm bench serve``.
+
+    python -m pagedkv.benchmarks.serve --base-url http://127.0.0.1:8000 --rates 2 4 inf
+    python -m pagedkv.benchmarks.serve --launch tiny --modes paged contiguous --num-gpu-blocks 48 \\
+        --rates 1 2 4 8 inf --num-prompts 64 --json out.json --plot out.png
+
+Requests arrive as a Poisson process at each ``--rates`` value (requests per second; ``inf`` sends them all at
+once, a burst), each a random token-id prompt with ShareGPT-like lengths (lognormal, the input and output
+length shape of the ShareGPT conversations the PagedAttention paper served, scaled to ``max_model_len``), each
+a streaming completion with ``ignore_eos`` so that it makes exactly its output length. Per rate it reports,
+under ``vllm bench serve``'s names: request throughput, output tokens/s, TTFT, TPOT and ITL (mean, median,
+p99, in ms), and the preemptions, running batch size and KV usage read from the server's ``/metrics`` while
+the load ran (sampled every ``--poll`` seconds: the time series go into the JSON).
+
+``--launch MODEL`` starts a server per ``--modes`` entry (``paged``: blocks allocated as tokens arrive;
+``contiguous``: ``max_model_len`` tokens reserved per request at admission, lesson 1's policy), each on the
+same model and the same KV pool (``--num-gpu-blocks``), on 127.0.0.1 with a free port, and stops it after.
+
+Mirrors ``vllm/benchmarks/serve.py`` (``benchmark``, ``calculate_metrics``, ``get_request``) and the random
+and ShareGPT datasets of ``vllm/benchmarks/datasets.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedkv.benchmarks.provenance import cpu_model, git_commit
+
+#: ShareGPT's lengths as the PagedAttention paper reports them (table 1 / figure 11): mean input 161.31 and
+#: mean output 337.99 tokens. The lab draws lognormals with these means and ``SIGMA`` spread, then scales them
+#: so that the longest sequences fit ``max_model_len``.
+SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT, SIGMA = 161.31, 337.99, 0.8
+
+
+@dataclass
+class SampleRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def sharegpt_like_requests(n: int, max_model_len: int, vocab_size: int, seed: int = 0,
+                           scale: float | None = None) -> list[SampleRequest]:
+    """``n`` requests with ShareGPT-shaped input/output lengths, scaled by ``scale`` (default: so that the mean
+    total is a quarter of ``max_model_len``), each clipped to fit ``max_model_len``; random token ids."""
+    rng = np.random.default_rng(seed)
+    if scale is None:
+        scale = max_model_len / 4 / (SHAREGPT_MEAN_INPUT + SHAREGPT_MEAN_OUTPUT)
+    mu = lambda mean: math.log(mean * scale) - SIGMA**2 / 2  # noqa: E731 - lognormal with this mean
+    ins = np.clip(np.rint(rng.lognormal(mu(SHAREGPT_MEAN_INPUT), SIGMA, n)), 4, max_model_len // 2).astype(int)
+    outs = np.rint(rng.lognormal(mu(SHAREGPT_MEAN_OUTPUT), SIGMA, n)).astype(int)
+    outs = np.clip(outs, 2, max_model_len - ins).astype(int)
+    return [SampleRequest(rng.integers(1, vocab_size, int(i)).tolist(), int(o)) for i, o in zip(ins, outs, strict=True)]
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival offsets in seconds: exponential gaps of mean ``1 / rate``; all 0 for ``rate = inf`` (a burst).
+    Mirrors ``get_request`` (``vllm/benchmarks/serve.py``, burstiness 1)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it: when it was sent, when each chunk with tokens came, how many tokens
+    each carried, when the stream ended; and :func:`request_metrics` of those."""
+
+    prompt_len: int
+    output_len: int = 0
+    ok: bool = False
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    tpot: float | None = None
+    error: str = ""
+    start: float = 0.0
+
+
+def request_metrics(start: float, chunk_times: Sequence[float], chunk_tokens: Sequence[int], end: float
+                    ) -> dict[str, Any]:
+    """One streamed request's latencies as ``vllm bench serve`` defines them (seconds): ``ttft``, the first
+    chunk's arrival after ``start``; ``itl``, the gaps between consecutive chunks; ``latency``, ``end - start``
+    (the stream's end); ``tpot``, ``(latency - ttft) / (output_len - 1)`` with ``output_len`` the tokens of all
+    chunks, ``None`` for a single token. Mirrors ``calculate_metrics`` (``vllm/benchmarks/serve.py``) and the
+    stream timing of ``vllm/benchmarks/lib/endpoint_request_func.py``."""
+    if not chunk_times or len(chunk_times) != len(chunk_tokens):
+        raise ValueError("give one arrival time and one token count per chunk, at least one chunk")
+    output_len = sum(chunk_tokens)
+    ttft = chunk_times[0] - start
+    latency = end - start
+    itl = [chunk_times[i] - chunk_times[i - 1] for i in range(1, len(chunk_times))]
+    tpot = (latency - ttft) / (output_len - 1) if output_len > 1 else None
+    return {"ttft": ttft, "itl": itl, "latency": latency, "tpot": tpot, "output_len": output_len}
+
+
+async def send_request(client: Any, url: str, model: str, req: SampleRequest, t0: float) -> RequestResult:
+    """One streaming completion, timed chunk by chunk (chunks without tokens, such as the usage chunk, are not
+    counted)."""
+    res = RequestResult(len(req.prompt_token_ids), start=time.perf_counter() - t0)
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    times: list[float] = []
+    tokens: list[int] = []
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                if n:
+                    times.append(time.perf_counter())
+                    tokens.append(n)
+        end = time.perf_counter()
+    except Exception as exc:  # a refused connection, a reset: counted as failed, the run goes on
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    if times:
+        m = request_metrics(start, times, tokens, end)
+        res.ttft, res.itl, res.latency, res.tpot, res.output_len = (m["ttft"], m["itl"], m["latency"], m["tpot"],
+                                                                    m["output_len"])
+        res.ok = True
+    return res
+
+
+_METRIC_RE = re.compile(r"^(vllm:[a-z_]+)\{[^}]*\}\s+([0-9.eE+-]+|NaN)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The unlabelled-by-reason ``vllm:*`` samples of a Prometheus text page (histogram buckets skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC_RE.match(line)
+        if m and not m.group(1).endswith("_bucket"):
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+async def poll_metrics(client: Any, base_url: str, period: float, t0: float, series: list[dict[str, float]],
+                       stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(Exception):
+            m = parse_metrics((await client.get(f"{base_url}/metrics")).text)
+            series.append({"t": time.perf_counter() - t0,
+                           "running": m.get("vllm:num_requests_running", 0.0),
+                           "waiting": m.get("vllm:num_requests_waiting", 0.0),
+                           "kv_cache_usage": m.get("vllm:kv_cache_usage_perc", 0.0),
+                           "preemptions": m.get("vllm:num_preemptions_total", 0.0)})
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), period)
+
+
+def _stats(values: list[float], prefix: str) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float) * 1000.0
+    if arr.size == 0:
+        return {f"mean_{prefix}_ms": float("nan"), f"median_{prefix}_ms": float("nan"),
+                f"p99_{prefix}_ms": float("nan")}
+    return {f"mean_{prefix}_ms": float(arr.mean()), f"median_{prefix}_ms": float(np.median(arr)),
+            f"p99_{prefix}_ms": float(np.percentile(arr, 99))}
+
+
+def calculate_metrics(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """``vllm bench serve``'s summary: throughput and TTFT / TPOT / ITL / E2E statistics. Mirrors
+    ``calculate_metrics`` (``vllm/benchmarks/serve.py``): each request's TPOT from :func:`request_metrics`; ITL
+    pools every gap between chunks of every request."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_len for r in ok)
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration": duration,
+        "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        **_stats([r.ttft for r in ok], "ttft"), **_stats(tpots, "tpot"),
+        **_stats([x for r in ok for x in r.itl], "itl"), **_stats([r.latency for r in ok], "e2el"),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+async def benchmark(base_url: str, model: str, requests: list[SampleRequest], rate: float, seed: int = 0,
+                    poll: float = 0.25, max_concurrency: int | None = None, timeout: float = 600.0
+                    ) -> dict[str, Any]:
+    """Send ``requests`` at ``rate`` (Poisson) and return the summary, the preemptions seen on ``/metrics``
+    during the run and the time series. Mirrors ``benchmark`` (``vllm/benchmarks/serve.py``)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+        before = parse_metrics((await client.get(f"{base_url}/metrics")).text)
+        series: list[dict[str, float]] = []
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+        poller = asyncio.create_task(poll_metrics(client, base_url, poll, t0, series, stop))
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        url = f"{base_url}/v1/completions"
+
+        async def one(req: SampleRequest, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            if sem is None:
+                return await send_request(client, url, model, req, t0)
+            async with sem:
+                return await send_request(client, url, model, req, t0)
+
+        arrivals = poisson_arrivals(len(requests), rate, seed)
+        results = await asyncio.gather(*(one(r, a) for r, a in zip(requests, arrivals, strict=True)))
+        duration = time.perf_counter() - t0
+        stop.set()
+        await poller
+        after = parse_metrics((await client.get(f"{base_url}/metrics")).text)
+    summary = calculate_metrics(list(results), duration)
+    key = "vllm:num_preemptions_total"
+    summary["num_preemptions"] = int(after.get(key, 0) - before.get(key, 0))
+    running = [s["running"] for s in series]
+    summary["mean_running"] = float(np.mean(running)) if running else 0.0
+    summary["max_running"] = float(np.max(running)) if running else 0.0
+    summary["max_kv_cache_usage"] = float(max((s["kv_cache_usage"] for s in series), default=0.0))
+    summary["request_rate"] = "inf" if math.isinf(rate) else rate
+    summary["timeseries"] = series
+    return summary
+
+
+class ServerProcess:
+    """``pagedkv serve MODEL --host 127.0.0.1 --port 0 ...`` in a child process (one torch thread unless
+    ``OMP_NUM_THREADS`` says otherwise). :meth:`start` returns once ``/health`` answers (``base_url`` is then
+    set); :meth:`stop` ends it (SIGTERM, then SIGKILL) and is safe to call twice. A notebook starts one in a
+    cell and stops it in a later one; :func:`launched_server` is the ``with`` form."""
+
+    def __init__(self, model: str, server_args: Sequence[str] = (), timeout: float = 300.0) -> None:
+        self.model, self.server_args, self.timeout = model, list(server_args), timeout
+        self.proc: subprocess.Popen | None = None
+        self.base_url: str | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.log: list[str] = []
+
+    def start(self) -> ServerProcess:
+        import httpx
+
+        self._tmp = tempfile.TemporaryDirectory()
+        port_file = Path(self._tmp.name) / "port"
+        log_file = Path(self._tmp.name) / "server.log"
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        cmd = [sys.executable, "-m", "pagedkv.entrypoints.api_server", self.model, "--host", "127.0.0.1",
+               "--port", "0", "--port-file", str(port_file), *self.server_args]
+        self._log = open(log_file, "w+", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + self.timeout
+            while not port_file.exists() or not port_file.read_text().strip():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited ({self.proc.returncode}): {self.output()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the server did not start within {self.timeout:.0f} s")
+                time.sleep(0.1)
+            self.base_url = f"http://127.0.0.1:{int(port_file.read_text())}"
+            httpx.get(f"{self.base_url}/health", timeout=30).raise_for_status()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def output(self) -> str:
+        """What the server printed so far."""
+        if self._tmp is None:
+            return ""
+        self._log.flush()
+        return (Path(self._tmp.name) / "server.log").read_text(encoding="utf-8")
+
+    def stop(self) -> int | None:
+        """Stop the server; returns its exit status (None if it never started)."""
+        rc = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(timeout=20)
+            rc = self.proc.returncode
+            self.proc = None
+        if self._tmp is not None:
+            self._log.close()
+            self._tmp.cleanup()
+            self._tmp = None
+        return rc
+
+
+@contextlib.contextmanager
+def launched_server(model: str, server_args: Sequence[str] = (), timeout: float = 300.0) -> Iterator[str]:
+    """A :class:`ServerProcess` for the ``with`` block, yielding its base URL; stopped on exit, whatever
+    happens."""
+    server = ServerProcess(model, server_args, timeout)
+    server.start()
+    try:
+        assert server.base_url is not None
+        yield server.base_url
+    finally:
+        server.stop()
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    cols = [("mode", "mode", "{}"), ("rate", "request_rate", "{}"), ("req/s", "request_throughput", "{:.2f}"),
+            ("out tok/s", "output_throughput", "{:.1f}"), ("TTFT med", "median_ttft_ms", "{:.0f}"),
+            ("TTFT p99", "p99_ttft_ms", "{:.0f}"), ("TPOT med", "median_tpot_ms", "{:.1f}"),
+            ("ITL med", "median_itl_ms", "{:.1f}"), ("ITL p99", "p99_itl_ms", "{:.1f}"),
+            ("preempt", "num_preemptions", "{}"), ("run max", "max_running", "{:.0f}"),
+            ("run mean", "mean_running", "{:.1f}"), ("fail", "failed", "{}")]
+    rows = [[h for h, _, _ in cols]] + [[f.format(r.get(k, "")) for _, k, f in cols] for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def plot(runs: list[dict[str, Any]], path: str | None = None) -> Any:
+    """Latency against achieved throughput per mode (median TTFT and TPOT), and the running batch and the
+    preemptions over time at the highest rate. Saved to ``path`` when given; returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.2))
+    (ttft_ax, tpot_ax), (run_ax, pre_ax) = axes
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        rs = [r for r in runs if r["mode"] == mode]
+        x = [r["request_throughput"] for r in rs]
+        ttft_ax.plot(x, [r["median_ttft_ms"] for r in rs], "o-", label=mode)
+        tpot_ax.plot(x, [r["median_tpot_ms"] for r in rs], "o-", label=mode)
+        last = rs[-1]
+        ts = last["timeseries"]
+        label = f"{mode}, rate {last['request_rate']}"
+        run_ax.plot([p["t"] for p in ts], [p["running"] for p in ts], label=label)
+        base = ts[0]["preemptions"] if ts else 0.0
+        pre_ax.plot([p["t"] for p in ts], [p["preemptions"] - base for p in ts], label=label)
+    ttft_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TTFT (ms)", yscale="log",
+                title="time to first token")
+    tpot_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TPOT (ms)", title="time per output token")
+    run_ax.set(xlabel="time since the first request (s)", ylabel="running requests",
+               title="running batch at the highest rate")
+    pre_ax.set(xlabel="time since the first request (s)", ylabel="preemptions so far",
+               title="preemptions at the highest rate")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8, framealpha=0.9)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedkv bench serve", description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--launch", metavar="MODEL", help="start `pagedkv serve MODEL` per mode (e.g. tiny)")
+    p.add_argument("--model", default=None, help="the model name to send (default: the server's first model)")
+    p.add_argument("--modes", nargs="+", default=["paged"], choices=("paged", "contiguous"),
+                   help="with --launch: KV reservation modes to compare (default paged)")
+    p.add_argument("--rates", nargs="+", default=["inf"], help="request rates in requests/s; inf = a burst")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--poll", type=float, default=0.25, help="seconds between /metrics samples")
+    p.add_argument("--length-scale", type=float, default=None,
+                   help="multiply ShareGPT's lengths by this (default: mean total = max_model_len / 4)")
+    p.add_argument("--vocab-size", type=int, default=512, help="prompt token ids are drawn from 1..this - 1")
+    p.add_argument("--json", help="write the runs here")
+    p.add_argument("--plot", help="save the curves here (PNG)")
+    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine')")
+    p.add_argument("--server-args", default="", help="with --launch: more `pagedkv serve` flags, one string "
+                   "(e.g. '--num-gpu-blocks 48 --max-model-len 512')")
+    return p
+
+
+def _model_info(base_url: str) -> tuple[str, int]:
+    import httpx
+
+    card = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
+    return card["id"], int(card["max_model_len"])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rates = [float(r) for r in args.rates]
+    runs: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+
+    def sweep(base: str, mode: str) -> None:
+        model, max_len = _model_info(base)
+        import httpx
+
+        vocab = args.vocab_size
+        snap = httpx.get(f"{base}/pagedkv/snapshot", timeout=30).json()
+        meta[mode] = {"num_gpu_blocks": snap.get("num_blocks"), "model": model, "max_model_len": max_len}
+        reqs = sharegpt_like_requests(args.num_prompts, max_len, vocab, args.seed, args.length_scale)
+        for rate in rates:
+            summary = asyncio.run(benchmark(base, args.model or model, reqs, rate, args.seed, args.poll,
+                                            args.max_concurrency))
+            summary["mode"] = mode
+            runs.append(summary)
+            print(format_table([summary]).splitlines()[-1], flush=True)
+
+    if args.launch:
+        extra = args.server_args.split()
+        for mode in args.modes:
+            with launched_server(args.launch, [*extra, "--kv-reservation", mode]) as base:
+                sweep(base, mode)
+    else:
+        sweep(args.base_url.rstrip("/"), "server")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    report = {
+        "benchmark": "serve", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(), "cpu": cpu_model(), "cpu_count": os.cpu_count(), "loadavg_after": load,
+        "note": args.note, "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+        "servers": meta, "runs": runs,
+    }
+    print(format_table(runs))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot(runs, args.plot)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"pagedkv bench serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Turning the engine's new tokens into text for one client: incremental detokenizing and stop strings.
+
+The engine core knows token ids only; stop *token ids* and EOS end a request inside it. Stop *strings* can only
+be seen in text, so they are checked here, on the API side, after each step: when one appears, the text is cut
+there, the request finishes with ``finish_reason="stop"`` and ``stop_reason`` the string, and the engine is
+told to abort it (its blocks are freed on the next loop turn). Text that might be the start of a stop string
+(or ends in a half-decoded character) is held back until the next token settles it, so a streamed client
+never sees text that is later taken back.
+
+Mirrors ``vllm/v1/engine/output_processor.py`` (``RequestState``, ``OutputProcessor.process_outputs``) and
+``vllm/v1/engine/detokenizer.py`` (``IncrementalDetokenizer``, ``check_stop_strings``). The lab decodes the
+whole output again on every token (simple and exact; vLLM decodes incrementally with a prefix offset).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+def check_stop_strings(output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
+                       ) -> tuple[str, int] | None:
+    """The first stop string of ``stop`` (in list order) that occurs in ``output_text`` ending within its last
+    ``new_char_count`` characters (the text before them was searched already); ``(stop_string, offset)``
+    where ``offset`` is the length to cut the text to: the stop string's start, or its end with
+    ``include_in_output`` (``-1`` when that end is the end of the text: nothing to cut). ``None`` when no stop
+    string matches or nothing is new. Mirrors ``check_stop_strings`` (``vllm/v1/engine/detokenizer.py``)."""
+    if not new_char_count or not stop:
+        return None
+    for stop_str in stop:
+        start = max(0, len(output_text) - new_char_count - len(stop_str) + 1)
+        index = output_text.find(stop_str, start)
+        if index == -1:
+            continue
+        if include_in_output:
+            index += len(stop_str)
+            if index >= len(output_text):
+                return stop_str, -1
+        return stop_str, index
+    return None
+
+
+@dataclass
+class CompletionDelta:
+    """What one step added to one completion: the new text and token ids; ``finish_reason`` once it ends."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
+
+
+@dataclass
+class RequestState:
+    """The API side's record of one engine request (one of a prompt's ``n`` completions)."""
+
+    request_id: str
+    index: int  # completion index within the parent request
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    include_stop_str_in_output: bool
+    tokenizer: Any
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # the text decoded so far (cut at a stop string)
+    sent: int = 0  # characters of ``text`` already handed to the client
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _hold_back(self) -> int:
+        """Characters at the end of ``text`` not yet safe to send: a possible stop-string prefix."""
+        if not self.stop or self.finished:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def _check_stop_strings(self, new_char_count: int) -> bool:
+        """Cut ``text`` at a stop string among its last ``new_char_count`` characters; True when one was found."""
+        match = check_stop_strings(self.text, new_char_count, self.stop, self.include_stop_str_in_output)
+        if match is None:
+            return False
+        stop_str, offset = match
+        if offset != -1:
+            self.text = self.text[:offset]
+        self.finish_reason, self.stop_reason = "stop", stop_str
+        return True
+
+    def add_tokens(self, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None,
+                   now: float) -> CompletionDelta | None:
+        """Take one step's new tokens (and the engine's finish reason, if it finished); return what the client
+        may see now, or None when nothing new can be shown yet. A stop string found here finishes the request
+        (the caller then aborts it in the engine); tokens after it are dropped."""
+        if self.finished:
+            return None
+        if token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
+            self.token_times.extend([now] * len(token_ids))
+        self.output_token_ids.extend(token_ids)
+        if self.tokenizer is not None and token_ids:
+            before = len(self.text)
+            self.text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+            if not self._check_stop_strings(len(self.text) - before) and finish_reason is not None:
+                self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        elif finish_reason is not None:
+            self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        end = len(self.text) - self._hold_back()
+        while end > self.sent and not self.finished and self.text[end - 1] == "\ufffd":
+            end -= 1  # a character still being decoded (the rest of its bytes come with the next token)
+        end = max(end, self.sent)
+        delta_text = self.text[self.sent:end]
+        self.sent = end
+        if not delta_text and not token_ids and not self.finished:
+            return None
+        return CompletionDelta(self.index, delta_text, list(token_ids), self.finish_reason, self.stop_reason,
+                               self.num_cached_tokens)

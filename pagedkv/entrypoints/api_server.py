@@ -1,0 +1,592 @@
+"""``pagedkv serve MODEL``: an OpenAI-compatible HTTP server on the lab's engine (FastAPI + uvicorn).
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (when
+the tokenizer has a chat template), ``GET /metrics`` (Prometheus text, vLLM's metric names) and, as a lab
+extension, ``GET /pagedkv/snapshot`` (the scheduler's queues and block tables, for the block-table widget).
+Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, with vLLM's status codes: 400
+for a bad request (malformed JSON, a bad parameter, a prompt too long, token ids outside the vocabulary),
+404 for an unknown model, 500 only for a bug (the server keeps serving).
+
+Mirrors ``vllm/entrypoints/openai/api_server.py`` (``build_app``, ``run_server``),
+``vllm/entrypoints/openai/completion/serving.py`` (``OpenAIServingCompletion``),
+``vllm/entrypoints/openai/chat_completion/serving.py`` and ``vllm/entrypoints/serve/utils/server_utils.py``
+(the exception handlers). Flags are named as ``vllm serve``'s (``vllm/engine/arg_utils.py``,
+``vllm/entrypoints/openai/cli_args.py``); the lab's ``--host`` defaults to 127.0.0.1 (vLLM listens on every
+interface): a course server should not be reachable from the network unless asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import socket
+import sys
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, InvalidRequestError
+from pagedkv.engine.metrics import CONTENT_TYPE_LATEST
+from pagedkv.engine.output_processor import CompletionDelta
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.entrypoints import protocol as P
+from pagedkv.entrypoints.cli_args import make_arg_parser
+
+
+class ServingError(Exception):
+    """An error answered with OpenAI's body and a status code."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None,
+                 err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+        self.err_type = err_type or {HTTPStatus.BAD_REQUEST: "BadRequestError", HTTPStatus.NOT_FOUND: "NotFoundError",
+                                     HTTPStatus.NOT_IMPLEMENTED: "NotImplementedError"}.get(status,
+                                                                                            "InternalServerError")
+
+
+def error_body(message: str, err_type: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body. Mirrors ``create_error_response`` (``vllm/entrypoints/serve/utils/error_response.py``)."""
+    info = P.ErrorInfo(message=message, type=err_type, param=param, code=int(status))
+    return P.ErrorResponse(error=info).model_dump()
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, ServingError):
+        status, err_type, param = exc.status, exc.err_type, exc.param
+    elif isinstance(exc, InvalidRequestError):
+        status, err_type, param = HTTPStatus.BAD_REQUEST, "BadRequestError", exc.parameter
+    elif isinstance(exc, (ValueError, TypeError, OverflowError)):
+        status, err_type, param = HTTPStatus.BAD_REQUEST, "BadRequestError", None
+    elif isinstance(exc, EngineDeadError):
+        status, err_type, param = HTTPStatus.SERVICE_UNAVAILABLE, "EngineDeadError", None
+    else:
+        status, err_type, param = HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError", None
+    return JSONResponse(error_body(str(exc), err_type, status, param), status_code=int(status))
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """vLLM's message for a body that fails validation: ``N validation error(s):`` then one line each, and the
+    first error's location as ``param`` (``validation_exception_handler``)."""
+    if not errors:
+        return "Validation error", None
+    label = "error" if len(errors) == 1 else "errors"
+    lines = []
+    for e in errors:
+        e = dict(e)
+        e.pop("url", None)
+        e.pop("ctx", None)
+        lines.append(f"  {e}")
+    loc = errors[0].get("loc") if isinstance(errors[0], dict) else None
+    param = ".".join(str(p) for p in loc if not any(c in str(p) for c in "[]{}()")) if loc else None
+    return f"{len(errors)} validation {label}:\n" + "\n".join(lines), param
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def with_cancellation(handler):
+    """Cancel a non-streaming handler when its client disconnects (its request is then aborted by
+    ``AsyncLLM.generate``). A streaming response listens for disconnects itself. Mirrors ``with_cancellation``
+    (``vllm/entrypoints/serve/utils/api_utils.py``)."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        request = kwargs["raw_request"]
+        work = asyncio.create_task(handler(*args, **kwargs))
+        gone = asyncio.create_task(_listen_for_disconnect(request))
+        done, pending = await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        if work in done:
+            return work.result()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return None
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Serving: requests -> engine inputs -> responses
+# ---------------------------------------------------------------------------------------------------------
+class OpenAIServing:
+    """Turns completion and chat requests into engine requests and the engine's deltas into responses.
+    Mirrors ``OpenAIServingCompletion`` and ``OpenAIServingChat``."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], model_path: str,
+                 enable_prompt_tokens_details: bool = False) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.model_path = model_path
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None) is not None
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.served_model_names:
+            raise ServingError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+
+    @staticmethod
+    def check_supported(request: P._SamplingFields) -> None:
+        if request.logprobs not in (None, False):
+            raise ServingError("logprobs are not supported by this server", HTTPStatus.BAD_REQUEST, "logprobs")
+        if request.use_beam_search:
+            raise ServingError("beam search is not supported by this server", HTTPStatus.BAD_REQUEST,
+                               "use_beam_search")
+        if getattr(request, "echo", False):
+            raise ServingError("echo is not supported by this server", HTTPStatus.BAD_REQUEST, "echo")
+        if request.n < 1:
+            raise ServingError(f"n must be at least 1, got {request.n}.", HTTPStatus.BAD_REQUEST, "n")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ServingError("text prompts need a tokenizer; this model has none: send token ids",
+                               HTTPStatus.BAD_REQUEST, "prompt")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render_completion(self, request: P.CompletionRequest) -> list[list[int]]:
+        """The prompts of a completion request as token-id lists. Mirrors ``OnlineRenderer.render_completion``."""
+        prompt = request.prompt
+        if prompt is None or prompt == [] or prompt == "":
+            raise ServingError("prompt must be a non-empty string, list of strings or list of token ids",
+                               HTTPStatus.BAD_REQUEST, "prompt")
+        if isinstance(prompt, str):
+            return [self.tokenize(prompt)]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        out = []
+        for p in prompt:
+            out.append(self.tokenize(p) if isinstance(p, str) else list(p))
+        return out
+
+    def render_chat(self, request: P.ChatCompletionRequest) -> list[int]:
+        if not self.has_chat_template:
+            raise ServingError("this model's tokenizer has no chat template: use /v1/completions",
+                               HTTPStatus.BAD_REQUEST, "messages")
+        if not request.messages:
+            raise ServingError("messages must not be empty", HTTPStatus.BAD_REQUEST, "messages")
+        messages = []
+        for m in request.messages:
+            content = m.content
+            if isinstance(content, list):  # OpenAI's content parts: keep the text ones
+                content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+            messages.append({"role": m.role, "content": content or ""})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=request.add_generation_prompt)
+        return self.tokenize(text, add_special_tokens=False)
+
+    @staticmethod
+    def sampling_params(request: P._SamplingFields, max_tokens: int) -> SamplingParams:
+        """vLLM's ``to_sampling_params`` with its defaults (temperature 1, top_p 1, top_k 0 = no limit)."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
+                ignore_eos=request.ignore_eos,
+            )
+        except ValueError as exc:
+            param = str(exc).split(" ", 1)[0]
+            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, param) from None
+
+    def prepare(self, request: P._SamplingFields, prompts: list[list[int]], max_tokens: int | None
+                ) -> list[SamplingParams]:
+        """Check each prompt and make its sampling parameters; raises before anything is queued."""
+        self.check_model(request.model)
+        self.check_supported(request)
+        stop = request.stop_list()
+        if stop and self.tokenizer is None:
+            raise ServingError("stop strings need a tokenizer; this model has none: use stop_token_ids",
+                               HTTPStatus.BAD_REQUEST, "stop")
+        if request.cache_salt is not None and not request.cache_salt:  # vLLM's check_cache_salt_support
+            raise ServingError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                               HTTPStatus.BAD_REQUEST, "cache_salt")
+        if any(not s for s in stop):
+            raise ServingError("stop strings must not be empty", HTTPStatus.BAD_REQUEST, "stop")
+        vocab = self.engine.llm.model.config.vocab_size
+        bad = [t for t in request.stop_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise ServingError(f"stop_token_ids has ids outside the vocabulary 0..{vocab - 1}: {bad}",
+                               HTTPStatus.BAD_REQUEST, "stop_token_ids")
+        out = []
+        for ids in prompts:
+            mt = self.engine.check_prompt(ids, max_tokens)
+            out.append(self.sampling_params(request, mt))
+        return out
+
+    def generators(self, request: P._SamplingFields, request_id: str, prompts: list[list[int]],
+                   params: list[SamplingParams]) -> list[AsyncGenerator[CompletionDelta, None]]:
+        return [
+            self.engine.generate(ids, p, f"{request_id}-{i}", stop=request.stop_list(),
+                                 include_stop_str_in_output=request.include_stop_str_in_output,
+                                 cache_salt=request.cache_salt, priority=request.priority)
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+
+    def usage(self, prompts: list[list[int]], completion_tokens: int, cached: int | None) -> P.UsageInfo:
+        prompt_tokens = sum(map(len, prompts))
+        usage = P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens)
+        if self.enable_prompt_tokens_details and cached is not None:
+            usage.prompt_tokens_details = P.PromptTokenUsageInfo(cached_tokens=cached)
+        return usage
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """``(i, item)`` from several async iterators as items arrive; closing this closes them all. Mirrors
+    ``vllm/utils/async_utils.py: merge_async_iterators``."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, it: AsyncIterator[Any]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+            return
+        await queue.put((i, done))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for it in iterators:
+            with contextlib.suppress(Exception):
+                await it.aclose()  # type: ignore[attr-defined]
+
+
+class CompletionRun:
+    """Collects one request's deltas per choice: text, token ids, finish and stop reasons."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.text = [""] * num_choices
+        self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
+        self.finish: list[str | None] = [None] * num_choices
+        self.stop_reason: list[int | str | None] = [None] * num_choices
+        self.cached: int | None = None  # prompt tokens served from the prefix cache (the first prompt's)
+
+    def add(self, i: int, d: CompletionDelta) -> None:
+        if i == 0 and self.cached is None:
+            self.cached = d.num_cached_tokens
+        self.text[i] += d.text
+        self.token_ids[i].extend(d.token_ids)
+        if d.finish_reason is not None:
+            self.finish[i], self.stop_reason[i] = d.finish_reason, d.stop_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(map(len, self.token_ids))
+
+
+def _sse(obj: Any) -> str:
+    data = obj.model_dump_json(exclude_unset=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+async def _stream_with_error(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Server-sent events ending in ``data: [DONE]``; an error after the 200 is sent as an error event, as vLLM
+    does (``create_streaming_error_response``)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (InvalidRequestError, ServingError, EngineDeadError, ValueError) as exc:
+        status = getattr(exc, "status", HTTPStatus.BAD_REQUEST)
+        yield f"data: {json.dumps(error_body(str(exc), type(exc).__name__, int(status)))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------------------
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, model_path: str = "",
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
+    """The FastAPI app around ``engine``; the engine loop starts and stops with the app (its lifespan).
+    Mirrors ``build_app`` (``vllm/entrypoints/openai/api_server.py``)."""
+    names = served_model_names or [engine.model_name]
+    serving = OpenAIServing(engine, names, model_path or names[0], enable_prompt_tokens_details)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(lifespan=lifespan, title="PagedKV Lab OpenAI-compatible server")
+    app.state.engine = engine
+    app.state.serving = serving
+
+    async def validation_exception_handler(_: Request, exc: RequestValidationError | ValidationError
+                                           ) -> JSONResponse:
+        message, param = _validation_message(exc.errors())
+        return JSONResponse(error_body(message, HTTPStatus.BAD_REQUEST.phrase, 400, param), status_code=400)
+
+    async def http_exception_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), HTTPStatus(exc.status_code).phrase, exc.status_code),
+                            status_code=exc.status_code)
+
+    async def exception_handler(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    app.add_exception_handler(RequestValidationError, validation_exception_handler)
+    app.add_exception_handler(ValidationError, validation_exception_handler)
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
+    for cls in (ServingError, InvalidRequestError, Exception):
+        app.add_exception_handler(cls, exception_handler)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return JSONResponse(error_body(f"the engine loop failed: {engine.dead_error}", "EngineDeadError", 503),
+                                status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def show_available_models() -> JSONResponse:
+        cards = [P.ModelCard(id=name, root=serving.model_path, max_model_len=engine.max_model_len) for name in names]
+        return JSONResponse(P.ModelList(data=cards).model_dump())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/pagedkv/snapshot")
+    async def snapshot() -> JSONResponse:
+        """Lab extension: the scheduler's snapshot (queues, block tables, free blocks), taken between steps."""
+        snap = await engine.call_between_steps(engine.llm.scheduler.snapshot)
+        return JSONResponse(json.loads(json.dumps(snap, default=str)))
+
+    @app.post("/v1/completions")
+    @with_cancellation
+    async def create_completion(request: P.CompletionRequest, raw_request: Request) -> Any:
+        prompts = serving.render_completion(request)
+        params = serving.prepare(request, prompts, request.max_tokens)
+        request_id = f"cmpl-{request.request_id}"
+        created = int(time.time())
+        num_choices = request.n
+        merged = merge_async_iterators(*serving.generators(request, request_id, prompts, params))
+        with_ids = bool(request.return_token_ids)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+            async def stream() -> AsyncIterator[str]:
+                run = CompletionRun(num_choices * len(prompts))
+                async for p, d in merged:
+                    i = p * num_choices + d.index
+                    run.add(i, d)
+                    yield _sse(P.CompletionStreamResponse(
+                        id=request_id, created=created, model=serving.model_name,
+                        choices=[P.CompletionResponseStreamChoice(
+                            index=i, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                            **({"token_ids": d.token_ids} if with_ids else {}))]))
+                if include_usage:
+                    yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=serving.model_name,
+                                                          choices=[], usage=serving.usage(prompts,
+                                                                                          run.completion_tokens,
+                                                                                          run.cached)))
+
+            return StreamingResponse(_stream_with_error(stream()), media_type="text/event-stream")
+
+        run = CompletionRun(num_choices * len(prompts))
+        async for p, d in merged:
+            run.add(p * num_choices + d.index, d)
+        choices = [
+            P.CompletionResponseChoice(index=i, text=run.text[i], finish_reason=run.finish[i],
+                                       stop_reason=run.stop_reason[i],
+                                       **({"token_ids": run.token_ids[i]} if with_ids else {}))
+            for i in range(len(run.text))
+        ]
+        body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
+                                    usage=serving.usage(prompts, run.completion_tokens, run.cached))
+        return JSONResponse(body.model_dump(exclude_none=False))
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def create_chat_completion(request: P.ChatCompletionRequest, raw_request: Request) -> Any:
+        prompt = serving.render_chat(request)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        params = serving.prepare(request, [prompt], max_tokens)
+        request_id = f"chatcmpl-{request.request_id}"
+        created = int(time.time())
+        merged = merge_async_iterators(*serving.generators(request, request_id, [prompt], params))
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+            async def stream() -> AsyncIterator[str]:
+                run = CompletionRun(request.n)
+                for i in range(request.n):
+                    yield _sse(P.ChatCompletionStreamResponse(
+                        id=request_id, created=created, model=serving.model_name,
+                        choices=[P.ChatCompletionResponseStreamChoice(
+                            index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
+                async for _, d in merged:
+                    run.add(d.index, d)
+                    yield _sse(P.ChatCompletionStreamResponse(
+                        id=request_id, created=created, model=serving.model_name,
+                        choices=[P.ChatCompletionResponseStreamChoice(
+                            index=d.index, delta=P.DeltaMessage(content=d.text), finish_reason=d.finish_reason,
+                            stop_reason=d.stop_reason)]))
+                if include_usage:
+                    yield _sse(P.ChatCompletionStreamResponse(
+                        id=request_id, created=created, model=serving.model_name, choices=[],
+                        usage=serving.usage([prompt], run.completion_tokens, run.cached)))
+
+            return StreamingResponse(_stream_with_error(stream()), media_type="text/event-stream")
+
+        run = CompletionRun(request.n)
+        async for _, d in merged:
+            run.add(d.index, d)
+        choices = [P.ChatCompletionResponseChoice(index=i, message=P.ChatMessageOut(content=run.text[i]),
+                                                  finish_reason=run.finish[i], stop_reason=run.stop_reason[i])
+                   for i in range(request.n)]
+        body = P.ChatCompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
+                                        usage=serving.usage([prompt], run.completion_tokens, run.cached))
+        return JSONResponse(body.model_dump())
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------------------
+def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
+    """The engine the flags describe, and the model's name for the API."""
+    from pagedkv.engine.llm import LLM
+
+    overrides = json.loads(args.hf_overrides) if args.hf_overrides else {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--hf-overrides must be a JSON object, got {args.hf_overrides!r}")
+    device = None
+    if args.model == "tiny":
+        import torch
+
+        from pagedkv.entrypoints.tiny import tiny_model, tiny_tokenizer
+
+        model: Any = tiny_model(args.seed, **overrides)
+        tokenizer = tiny_tokenizer(model.config.vocab_size)
+        device = "cuda" if torch.cuda.is_available() else None
+    elif overrides:
+        raise ValueError("--hf-overrides is supported with MODEL 'tiny' only")
+    else:
+        model, tokenizer = args.model, None
+    llm = LLM(model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
+              preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
+              enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device)
+    if args.kv_reservation == "contiguous":
+        reserve_contiguous(llm)
+    names = args.served_model_name or [args.model]
+    return AsyncLLM(llm, names[0]), names
+
+
+def reserve_contiguous(llm: Any) -> None:
+    """Switch a fresh engine to contiguous ``max_model_len`` reservation: the same pool and scheduler with
+    lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager` (first fit, ``ceil(max_model_len /
+    block_size)`` blocks per request, reserved at admission), so that paged and contiguous differ in the
+    allocation rule alone."""
+    from pagedkv.scheduler import Scheduler
+    from pagedkv.sim.baseline import ContiguousKVCacheManager
+
+    old = llm.scheduler
+    if old.requests:
+        raise ValueError("switch to contiguous reservation before any request is added")
+    manager = ContiguousKVCacheManager(llm.num_gpu_blocks, llm.block_size, llm.max_model_len)
+    llm.kv_cache_manager = manager
+    llm.scheduler = Scheduler(manager, old.max_num_seqs, old.max_num_batched_tokens,
+                              preemption_mode=old.preemption_mode, num_cpu_blocks=old.cpu_block_pool.num_blocks)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: a free one, read back with ``getsockname``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine, bind the port, serve until interrupted. Mirrors ``run_server``."""
+    import uvicorn
+
+    try:
+        engine, names = build_engine(args)
+    except (ValueError, OSError, TypeError) as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine, names, args.model, args.enable_prompt_tokens_details)
+    sock = bind_socket(args.host, args.port)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            llm = engine.llm
+            print(f"pagedkv serve: {names[0]} on http://{args.host}:{port}/v1  ({llm.num_gpu_blocks} blocks of "
+                  f"{llm.block_size} tokens, max_model_len {llm.max_model_len}, {args.kv_reservation} KV)", flush=True)
+            if args.port_file:
+                with open(args.port_file, "w", encoding="utf-8") as f:
+                    f.write(f"{port}\n")
+        await task
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_server(make_arg_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,349 @@
+"""Checks for lesson 8's exercises (``grading/source/08_hybrid_models.ipynb``): which tokens a sliding window
+skips, releasing out-of-window blocks to the null block, the right-to-left prefix hit, the per-request block cap
+the pool is sized by, and how vLLM 0.26 groups a hybrid model's layers.
+
+Each ``check_*`` function is one test case of the set: the source's test cell calls it with the learner's
+function. The learner's code runs on the library's ``SlidingWindowManager`` and ``BlockPool``; every answer is
+compared with the library's, which behaves as vLLM 0.26 does (``./lab parity --lesson 8``), and a failure names
+the case and the rule that was broken.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from pagedkv import KVCacheManager, Request
+from pagedkv.grading.checks import describe, expect_equal, fail, require_function, run
+from pagedkv.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, cdiv
+from pagedkv.single_type_kv_cache_manager import SlidingWindowManager
+
+__all__ = [
+    "check_group_layers_examples",
+    "check_group_layers_hidden",
+    "check_group_layers_round_robin",
+    "check_hit_examples",
+    "check_hit_hidden",
+    "check_hit_short_run_at_the_start",
+    "check_max_blocks_examples",
+    "check_max_blocks_hidden",
+    "check_remove_examples",
+    "check_remove_hidden",
+    "check_remove_twice",
+    "check_skipped_examples",
+    "check_skipped_hidden",
+]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reference answers (the library's rules, written out)
+# --------------------------------------------------------------------------------------------------------
+def reference_skipped(num_computed_tokens: int, sliding_window: int) -> int:
+    return max(0, num_computed_tokens - sliding_window + 1)
+
+
+def reference_max_blocks(sliding_window: int, block_size: int, max_in_flight_tokens: int, max_model_len: int) -> int:
+    return cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1
+
+
+def reference_group_layers(layer_types: list[str]) -> list[list[int]]:
+    same: dict[str, list[int]] = {}
+    for i, t in enumerate(layer_types):
+        same.setdefault(t, []).append(i)
+    sizes = [len(v) for v in same.values()]
+    group_size = min(sizes)
+    if max(sizes) < group_size * 1.5:
+        group_size = max(sizes)
+    out = []
+    for layers in same.values():
+        n = cdiv(len(layers), group_size)
+        out += [layers[i::n] for i in range(n)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# 1. get_num_skipped_tokens
+# --------------------------------------------------------------------------------------------------------
+def _skipped_hint(args: tuple[int, int]) -> Callable[[Any], str | None]:
+    c, w = args
+
+    def hint(got: Any) -> str | None:
+        if got == max(0, c - w):
+            return ("that is num_computed_tokens - sliding_window: the next token (position num_computed_tokens) is "
+                    "one of the sliding_window tokens it reads, so one more token is skipped")  # fmt: skip
+        if got == c - w + 1:
+            return "never negative: while the window still covers position 0, nothing is skipped"
+        return None
+
+    return hint
+
+
+def check_skipped_examples(get_num_skipped_tokens):
+    require_function(get_num_skipped_tokens, "get_num_skipped_tokens")
+    for args, want in (((7, 4), 4), ((3, 4), 0), ((4, 4), 1), ((0, 8), 0), ((20, 8), 13), ((100, 1), 100)):
+        expect_equal(get_num_skipped_tokens, args, want, hint=_skipped_hint(args), timeout=2)
+
+
+def check_skipped_hidden(get_num_skipped_tokens):
+    require_function(get_num_skipped_tokens, "get_num_skipped_tokens")
+    rng = random.Random(808)
+    for _ in range(200):
+        w = rng.randint(1, 5000)
+        c = rng.randint(0, 3 * w)
+        expect_equal(get_num_skipped_tokens, (c, w), reference_skipped(c, w), hint=_skipped_hint((c, w)), timeout=2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 2. remove_skipped_blocks
+# --------------------------------------------------------------------------------------------------------
+def sliding_manager(num_blocks: int, block_size: int, window: int, prompt_len: int, caching: bool = True):
+    """A KV cache manager with one sliding-window group, one request ``"r"`` whose ``prompt_len`` tokens are
+    allocated and computed (nothing released yet), and that group's ``SlidingWindowManager``."""
+    spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=window)
+    m = KVCacheManager(KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["swa"], spec)]), enable_caching=caching)
+    r = Request("r", list(range(prompt_len)), max_tokens=4)
+    if m.allocate_slots(r, prompt_len) is None:
+        raise AssertionError("the check's pool is too small")
+    r.num_computed_tokens = prompt_len
+    return m, m.single_type_managers[0], r
+
+
+def _state(m) -> dict[str, Any]:
+    pool = m.block_pool
+    return {
+        "table": m.get_block_ids("r"),
+        "free queue": [b.block_id for b in pool.free_block_queue],
+        "ref_cnt": [b.ref_cnt for b in pool.blocks],
+    }
+
+
+def _remove_case(remove_skipped_blocks, bs: int, window: int, prompt: int, calls: list[int], what: str) -> None:
+    mine, my_swa, _ = sliding_manager(4 + cdiv(prompt, bs), bs, window, prompt)
+    ref, ref_swa, _ = sliding_manager(4 + cdiv(prompt, bs), bs, window, prompt)
+    for n in calls:
+        before = _state(mine)
+        run(remove_skipped_blocks, (my_swa, "r", n), name=f"remove_skipped_blocks(manager, 'r', {n})", timeout=5)
+        SlidingWindowManager.remove_skipped_blocks(ref_swa, "r", n)
+        got, want = _state(mine), _state(ref)
+        if got == want:
+            continue
+        head = (f"{what}: block size {bs}, window {window}, a {prompt}-token request (table {before['table']}); "
+                f"after remove_skipped_blocks(manager, 'r', {n})")  # fmt: skip
+        if got == before and want != before:
+            fail(f"{head} nothing changed (table {got['table']}), expected the table {want['table']}: is the "
+                 "function still the stub?")
+        if len(got["table"]) != len(want["table"]):
+            fail(f"{head} the table is {got['table']}, expected {want['table']}: keep the table's length, put "
+                 "manager.block_pool.null_block where a block was released (positions must still match tokens)")
+        if got["table"] != want["table"]:
+            skipped = reference_skipped(n, window)
+            fail(f"{head} the table is {got['table']}, expected {want['table']}: {skipped} tokens are skipped, so "
+                 f"the first {skipped // bs} blocks (only whole blocks) are released")
+        if got["ref_cnt"] != want["ref_cnt"]:
+            fail(f"{head} the blocks' ref_cnt are {got['ref_cnt']}, expected {want['ref_cnt']}: each released block "
+                 "goes back to the pool once (manager.block_pool.free_blocks), the null block never")
+        if sorted(got["free queue"]) == sorted(want["free queue"]):
+            fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}: free the released "
+                 "blocks newest first (from the last released position back to 0), so the pool evicts the deepest "
+                 "of them first and keeps the prefix's root longest")
+        fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}")
+
+
+def check_remove_examples(remove_skipped_blocks):
+    require_function(remove_skipped_blocks, "remove_skipped_blocks")
+    _remove_case(remove_skipped_blocks, 4, 8, 20, [20], "example")
+    _remove_case(remove_skipped_blocks, 4, 8, 20, [8], "the window still covers most of the blocks")
+    _remove_case(remove_skipped_blocks, 4, 16, 12, [12], "nothing is out of the window yet")
+
+
+def check_remove_twice(remove_skipped_blocks):
+    """A second call releases only the blocks that fell out since the first: it stops at the first null."""
+    require_function(remove_skipped_blocks, "remove_skipped_blocks")
+    _remove_case(remove_skipped_blocks, 4, 8, 32, [16, 32], "two calls as the request advances")
+    _remove_case(remove_skipped_blocks, 2, 3, 20, [10, 10, 20], "the same call twice")
+
+
+def check_remove_hidden(remove_skipped_blocks):
+    require_function(remove_skipped_blocks, "remove_skipped_blocks")
+    rng = random.Random(8080)
+    for _ in range(40):
+        bs, window = rng.choice([1, 2, 4, 8]), rng.randint(1, 20)
+        prompt = rng.randint(1, 60)
+        calls = sorted(rng.randint(0, prompt) for _ in range(rng.randint(1, 3)))
+        _remove_case(remove_skipped_blocks, bs, window, prompt, calls, "random case")
+
+
+# --------------------------------------------------------------------------------------------------------
+# 3. find_longest_sliding_hit
+# --------------------------------------------------------------------------------------------------------
+def cached_pool(bs: int, window: int, num_tokens: int, evict: list[int]):
+    """A pool where a ``num_tokens``-token prefix was computed and freed (every full block cached, in the free
+    queue), then the blocks at table positions ``evict`` were evicted; and the prefix's block hashes."""
+    m, _, r = sliding_manager(4 + cdiv(num_tokens, bs), bs, window, num_tokens)
+    table = list(m.req_to_blocks["r"])
+    m.free(r)
+    m.block_pool.evict_blocks({table[i].block_id for i in evict if i < len(table)})
+    return m.block_pool, list(r.block_hashes), [b.block_id for b in table]
+
+
+def _hit_case(find_longest_sliding_hit, bs, window, num_tokens, evict, max_length, what):
+    pool, hashes, table = cached_pool(bs, window, num_tokens, evict)
+    spec = SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=window)
+    (want_blocks,), want_len = SlidingWindowManager.find_longest_cache_hit(hashes, max_length, [0], pool, spec)
+    want = [b.block_id for b in want_blocks]
+    call = f"find_longest_sliding_hit(pool, hashes, {max_length}, {window}, {bs})"
+    got = run(find_longest_sliding_hit, (pool, hashes, max_length, window, bs), name=call, timeout=5)
+    if not isinstance(got, tuple) or len(got) != 2:
+        fail(f"{what}: {call} returned {describe(got)}, expected a pair (blocks, hit_length)")
+    blocks, length = got
+    try:
+        ids = [b.block_id for b in blocks]
+    except (AttributeError, TypeError):
+        fail(f"{what}: {call} returned {describe(blocks)} as the blocks, expected a list of KVCacheBlock")
+    cached = [i for i in range(len(table)) if i not in evict and (i + 1) * bs <= num_tokens]
+    head = (f"{what}: block size {bs}, window {window} (a hit must end with {cdiv(window - 1, bs)} cached blocks), "
+            f"positions {cached} cached, at most {max_length} tokens: {call}")  # fmt: skip
+    if ids == want and length == want_len:
+        return
+    left = []  # full attention's hit: every block from the start
+    for i in range(max_length // bs):
+        block = pool.get_cached_block(hashes[i])
+        if block is None:
+            break
+        left.append(block.block_id)
+    if ids == left and (length == len(left) * bs):
+        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want} ({want_len} tokens): that is full "
+             "attention's rule (every block from the start); a sliding layer needs only the last blocks before the "
+             "hit's end: scan from the right, and put pool.null_block before the run")
+    if length != want_len:
+        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want})")
+    if len(ids) != len(want):
+        fail(f"{head} returned {len(ids)} blocks {ids}, expected {want}: one entry per block of the hit, "
+             "pool.null_block where the window does not need the block")
+    if any(w == 0 and g != 0 for g, w in zip(ids, want, strict=True)):
+        fail(f"{head} returned blocks {ids}, expected {want}: the blocks before the run are pool.null_block (the "
+             "window does not read them, and a sliding group may have released them)")
+    fail(f"{head} returned blocks {ids}, expected {want}")
+
+
+def check_hit_examples(find_longest_sliding_hit):
+    require_function(find_longest_sliding_hit, "find_longest_sliding_hit")
+    _hit_case(find_longest_sliding_hit, 4, 8, 24, [], 23, "everything cached")
+    _hit_case(find_longest_sliding_hit, 4, 8, 24, [3, 5], 24, "gaps")
+    _hit_case(find_longest_sliding_hit, 4, 8, 24, [0, 1, 2], 24, "only the tail cached")
+    _hit_case(find_longest_sliding_hit, 4, 9, 24, [2, 5], 24, "a window of 9 needs cdiv(8, 4) = 2 blocks")
+
+
+def check_hit_short_run_at_the_start(find_longest_sliding_hit):
+    """A run shorter than the window needs still counts when it reaches the first block."""
+    require_function(find_longest_sliding_hit, "find_longest_sliding_hit")
+    _hit_case(find_longest_sliding_hit, 4, 16, 24, [3, 4, 5], 24, "a short run at the start")
+    _hit_case(find_longest_sliding_hit, 4, 16, 24, [0, 1, 2, 3, 4, 5], 24, "nothing cached")
+
+
+def check_hit_hidden(find_longest_sliding_hit):
+    require_function(find_longest_sliding_hit, "find_longest_sliding_hit")
+    rng = random.Random(8081)
+    for _ in range(60):
+        bs, window = rng.choice([1, 2, 4, 8]), rng.randint(2, 24)
+        n = rng.randint(bs, 12 * bs)
+        evict = [i for i in range(cdiv(n, bs)) if rng.random() < 0.3]
+        _hit_case(find_longest_sliding_hit, bs, window, n, evict, rng.randint(0, n), "random case")
+
+
+# --------------------------------------------------------------------------------------------------------
+# 4. max_admission_blocks_per_request
+# --------------------------------------------------------------------------------------------------------
+def _max_blocks_hint(args) -> Callable[[Any], str | None]:
+    w, b, f, m = args
+
+    def hint(got: Any) -> str | None:
+        if got == cdiv(min(w - 1 + f, m), b):
+            return "one block more: the window need not start at a block boundary ([xxCD][EF..] holds CDEF)"
+        if got == cdiv(w - 1 + f, b) + 1:
+            return "never more than max_model_len tokens"
+        if got == cdiv(min(w + f, m), b) + 1:
+            return "sliding_window - 1 tokens before the new ones, not sliding_window"
+        if got == min(w - 1 + f, m) // b + 1:
+            return "round the tokens up to whole blocks (cdiv), not down"
+        return None
+
+    return hint
+
+
+def check_max_blocks_examples(max_admission_blocks_per_request):
+    require_function(max_admission_blocks_per_request, "max_admission_blocks_per_request")
+    cases = [((128, 16, 16384, 131072), 1033), ((4096, 16, 16384, 32768), 1281), ((8, 4, 8, 4096), 5),
+             ((1024, 16, 16384, 8192), 513), ((4, 4, 1, 100), 2)]  # fmt: skip
+    for args, want in cases:
+        expect_equal(max_admission_blocks_per_request, args, want, hint=_max_blocks_hint(args), timeout=2)
+
+
+def check_max_blocks_hidden(max_admission_blocks_per_request):
+    require_function(max_admission_blocks_per_request, "max_admission_blocks_per_request")
+    rng = random.Random(8082)
+    for _ in range(200):
+        args = (rng.randint(1, 8192), rng.choice([1, 2, 4, 8, 16, 32]), rng.randint(1, 32768), rng.randint(1, 200000))
+        expect_equal(max_admission_blocks_per_request, args, reference_max_blocks(*args),
+                     hint=_max_blocks_hint(args), timeout=2)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------------
+# 5. group_layers
+# --------------------------------------------------------------------------------------------------------
+def _group_hint(layer_types) -> Callable[[Any], str | None]:
+    def hint(got: Any) -> str | None:
+        if not isinstance(got, list):
+            return None
+        same: dict[str, list[int]] = {}
+        for i, t in enumerate(layer_types):
+            same.setdefault(t, []).append(i)
+        g = min(len(v) for v in same.values())
+        chunks = [v[i : i + g] for v in same.values() for i in range(0, len(v), g)]
+        if got == chunks:
+            return ("those are consecutive chunks: vLLM deals a type's layers round-robin, layers[i::num_groups], "
+                    "so that a pipeline stage's share of each group stays even")  # fmt: skip
+        if got == list(same.values()):
+            return "one group per type is too coarse: every group must hold about group_size layers"
+        big = max(len(v) for v in same.values())
+        if big < g * 1.5:
+            return (f"the types' layer counts are close ({g} and {big}): vLLM then uses the largest as the group "
+                    "size, padding the smaller type, instead of cutting the larger in two")
+        return None
+
+    return hint
+
+
+def check_group_layers_examples(group_layers):
+    require_function(group_layers, "group_layers")
+    gemma = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(62)]
+    cases = [
+        (["full_attention"] * 4, [[0, 1, 2, 3]]),
+        (["sliding_attention", "full_attention"] * 3, [[0, 2, 4], [1, 3, 5]]),
+        (["sliding_attention"] * 3 + ["full_attention"], [[0], [1], [2], [3]]),
+        (gemma, reference_group_layers(gemma)),
+    ]
+    for layer_types, want in cases:
+        expect_equal(group_layers, (layer_types,), want, hint=_group_hint(layer_types), timeout=2)
+
+
+def check_group_layers_round_robin(group_layers):
+    require_function(group_layers, "group_layers")
+    for layer_types in (
+        ["sliding_attention"] * 4 + ["full_attention"] * 2,
+        ["full_attention"] * 2 + ["sliding_attention"] * 5,
+        ["sliding_attention"] * 12 + ["full_attention"] * 13,
+    ):
+        expect_equal(group_layers, (layer_types,), reference_group_layers(layer_types),
+                     hint=_group_hint(layer_types), timeout=2)  # fmt: skip
+
+
+def check_group_layers_hidden(group_layers):
+    require_function(group_layers, "group_layers")
+    rng = random.Random(8083)
+    kinds = ["full_attention", "sliding_attention", "chunked_attention"]
+    for _ in range(100):
+        n_types = rng.randint(1, 3)
+        types_ = [kinds[rng.randrange(n_types)] for _ in range(rng.randint(1, 64))]
+        expect_equal(group_layers, (types_,), reference_group_layers(types_), hint=_group_hint(types_), timeout=2)

@@ -1,0 +1,202 @@
+"""The page arithmetic: bytes per block, the memory the engine may use, and the blocks that fit -- the sizing
+half of ``vllm/v1/core/kv_cache_utils.py`` in vLLM 0.26 (``get_num_blocks``, ``check_enough_kv_cache_memory``,
+``get_max_concurrency_for_kv_cache_config``), with ``request_memory`` (``vllm/v1/worker/utils.py``) and the page
+size (``vllm/v1/kv_cache_interface.py``). The block queue and the block hashes, the other half of vLLM's file,
+are :mod:`pagedkv.kv_cache_utils`.
+
+The exercise set asks for ``kv_page_bytes`` and ``num_gpu_blocks``; the library's own callers use private twins
+(``_num_gpu_blocks``, ...), so the public answers can be hidden while one exercise is graded and the profile
+still works in the others (``pagedkv.grading.sandbox.with_private_twins``)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from pagedkv.sizing.mem_utils import format_gib
+from pagedkv.sizing.model import model_shape
+from pagedkv.utils import cdiv, check_int
+
+__all__ = [
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "KV_CACHE_DTYPES",
+    "check_enough_kv_cache_memory",
+    "kv_page_bytes",
+    "max_concurrency",
+    "num_gpu_blocks",
+    "request_memory",
+    "resolve_kv_cache_dtype",
+]
+
+#: ``CacheConfig.gpu_memory_utilization``'s default in vLLM 0.26 (``vllm/config/cache.py``).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+
+#: The KV cache dtypes accepted by name: vLLM's ``CacheDType`` spellings (``vllm/config/cache.py``) for the
+#: 16-bit and FP8 caches, plus float32 (the lab's CPU models run in float32). "fp8" means e4m3, as in vLLM.
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype a KV cache of ``kv_cache_dtype`` stores, as ``vllm/utils/torch_utils.py::
+    kv_cache_dtype_str_to_dtype`` resolves it: "auto" is the model's dtype; "fp8" is e4m3 (vLLM stores it as
+    ``uint8``, one byte either way). Differs on purpose: vLLM serves a float32 config in bfloat16 under "auto"
+    (``config/model.py::_resolve_auto_dtype``); the lab keeps the dtype the model actually runs in."""
+    if isinstance(kv_cache_dtype, torch.dtype):
+        if kv_cache_dtype.is_complex or kv_cache_dtype == torch.bool:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} cannot hold keys and values")
+        return kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    raise ValueError(
+        f"unknown kv_cache_dtype {kv_cache_dtype!r}: use 'auto', 'fp16', 'bf16', 'fp32', 'fp8' (e4m3) or a torch dtype"
+    )
+
+
+def kv_page_bytes(config: Any, block_size: int = 16, kv_cache_dtype: str | torch.dtype = "auto") -> int:
+    """Bytes one block takes in ONE layer: ``2 * block_size * num_kv_heads * head_dim * dtype_bytes``.
+
+    The 2 is one page of keys and one of values. Only the KV heads count (grouped-query attention shares each
+    among ``num_attention_heads // num_kv_heads`` query heads). Mirrors
+    ``vllm/v1/kv_cache_interface.py::AttentionSpec.real_page_size_bytes`` (what ``FullAttentionSpec.page_size_bytes``
+    returns when nothing pads it). Reads ``config`` only; raises ``ValueError`` on a bad block size or dtype.
+    """
+    block_size = check_int(block_size, "block_size", 1)
+    shape = model_shape(config)
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, shape.dtype)
+    return 2 * block_size * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+
+
+
+def _memory_figure(value: Any, name: str) -> int:
+    """A byte count: an int >= 0, or a float holding a whole number (``80e9``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number of bytes, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{name} must be a whole number of bytes, got {value!r}")
+    return int(value)
+
+
+def _check_utilization(utilization: Any) -> float:
+    if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real) or not 0 < utilization <= 1:
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1] (vLLM's CacheConfig: gt=0, le=1), got {utilization!r}"
+        )
+    return float(utilization)
+
+
+def request_memory(total: int, utilization: float) -> int:
+    """The bytes the engine may use: ``math.ceil(total * utilization)``, as
+    ``vllm/v1/worker/utils.py::request_memory`` computes it (float product, then ceil)."""
+    return _request_memory(total, utilization)
+
+
+def _request_memory(total: int, utilization: float) -> int:
+    total = _memory_figure(total, "total")
+    if total == 0:
+        raise ValueError("total memory must be > 0 bytes")
+    return math.ceil(total * _check_utilization(utilization))
+
+
+def num_gpu_blocks(
+    total: int,
+    utilization: float,
+    weights: int,
+    peak_activation: int,
+    non_torch: int,
+    cudagraph: int,
+    page_bytes: int,
+    num_layers: int,
+) -> int:
+    """The number of KV blocks vLLM 0.26 allocates, from its profile's figures (all in bytes).
+
+    ``requested = ceil(total * utilization)`` (``worker/utils.py::request_memory``);
+    ``available = requested - (non_torch + peak_activation + weights) - cudagraph``
+    (``gpu_worker.py::determine_available_memory``); ``int(available // page_bytes // num_layers)``
+    (``core/kv_cache_utils.py::get_num_blocks``), where ``page_bytes`` is one block in one layer
+    (:func:`kv_page_bytes`). Pure: changes nothing. Raises ``ValueError`` for a utilization outside (0, 1], a
+    negative figure, and when nothing is left for the cache (vLLM's
+    ``kv_cache_utils.py::check_enough_kv_cache_memory`` refuses ``available <= 0``), saying by how much the
+    non-KV memory exceeds the budget and what to lower.
+    """
+    return _num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes, num_layers)
+
+
+def _num_gpu_blocks(
+    total: int,
+    utilization: float,
+    weights: int,
+    peak_activation: int,
+    non_torch: int,
+    cudagraph: int,
+    page_bytes: int,
+    num_layers: int,
+) -> int:
+    """The implementation of :func:`num_gpu_blocks` (the library calls this one)."""
+    utilization = _check_utilization(utilization)
+    requested = _request_memory(total, utilization)
+    weights = _memory_figure(weights, "weights")
+    peak_activation = _memory_figure(peak_activation, "peak_activation")
+    non_torch = _memory_figure(non_torch, "non_torch")
+    cudagraph = _memory_figure(cudagraph, "cudagraph")
+    page_bytes = check_int(page_bytes, "page_bytes", 1)
+    num_layers = check_int(num_layers, "num_layers", 1)
+    non_kv = non_torch + peak_activation + weights
+    available = requested - non_kv - cudagraph
+    if available <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache: weights {format_gib(weights)} GiB + peak activations "
+            f"{format_gib(peak_activation)} GiB + non-torch {format_gib(non_torch)} GiB + CUDA graphs "
+            f"{format_gib(cudagraph)} GiB = {format_gib(non_kv + cudagraph)} GiB, which exceeds the requested "
+            f"{format_gib(requested)} GiB (= ceil({total} * {utilization})) by {format_gib(-available)} GiB "
+            f"({-available} bytes). Raise gpu_memory_utilization, lower max_num_batched_tokens (activations), "
+            "quantise the weights, or turn CUDA graphs off."
+        )
+    return int(available // page_bytes // num_layers)
+
+
+def max_concurrency(num_blocks: int, block_size: int, num_tokens: int) -> float:
+    """How many requests of ``num_tokens`` tokens the pool holds at once: ``num_blocks / cdiv(num_tokens,
+    block_size)``, as ``vllm/v1/core/kv_cache_utils.py::get_max_concurrency_for_kv_cache_config`` computes it
+    for one full-attention group (its per-layer factors cancel). Like vLLM, counts every block, the null
+    block included."""
+    num_blocks = check_int(num_blocks, "num_blocks", 0)
+    block_size = check_int(block_size, "block_size", 1)
+    num_tokens = check_int(num_tokens, "num_tokens", 1)
+    return num_blocks / cdiv(num_tokens, block_size)
+
+
+
+def check_enough_kv_cache_memory(available: int, page_bytes: int, num_layers: int, block_size: int, max_len: int):
+    """vLLM 0.26's ``kv_cache_utils.py::check_enough_kv_cache_memory`` for one full-attention group: one request
+    of ``max_model_len`` tokens must fit (``cdiv(max_model_len, block_size) * page_size`` per layer)."""
+    needed = cdiv(max_len, block_size) * page_bytes * num_layers
+    if needed > available:
+        max_fit = available // (page_bytes * num_layers) * block_size
+        raise ValueError(
+            f"To serve at least one request with the model's max seq len ({max_len}), {format_gib(needed)} GiB "
+            f"KV cache is needed, which is larger than the available KV cache memory ({format_gib(available)} "
+            f"GiB). Based on the available memory, the estimated maximum model length is {max_fit}. Lower "
+            "max_model_len, or raise gpu_memory_utilization / total_memory."
+        )
+

@@ -1,0 +1,145 @@
+"""What sizing reads of a model: the shape numbers of its transformers config (``vllm/config/model.py``'s
+``ModelConfig`` in vLLM 0.26) and what they imply on paper -- parameter count and peak activation bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from pagedkv.utils import check_int
+
+__all__ = ["ModelShape", "estimate_peak_activation", "model_shape", "num_parameters"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer's config that sizing needs."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype  # the config's dtype ("auto" resolves to it)
+    max_position_embeddings: int | None
+
+
+def _config_get(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    value = _config_get(config, "dtype")
+    if value is None and (isinstance(config, Mapping) or not hasattr(type(config), "torch_dtype")):
+        value = _config_get(config, "torch_dtype")  # transformers 4's name (5 keeps it as a deprecated alias)
+    if value is None:
+        return torch.float32  # what transformers builds from a config that names no dtype
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise ValueError(f"the config's dtype {value!r} is not a torch dtype")
+
+
+
+def model_shape(config: Any) -> ModelShape:
+    """Read a transformers config (or any object or dict with the same attribute names) into a ModelShape.
+
+    Follows vLLM 0.26's ``ModelConfig`` (``vllm/config/model.py``): ``num_key_value_heads`` defaults to
+    ``num_attention_heads`` (multi-head attention), and an explicit ``head_dim`` wins over
+    ``hidden_size // num_attention_heads`` (``get_head_size``) -- Qwen3-0.6B has 16 heads of 128 on a hidden size
+    of 1024. Raises ``ValueError`` naming the first missing or invalid field.
+    """
+    if isinstance(config, ModelShape):
+        return config
+    if isinstance(config, SimpleNamespace):
+        config = vars(config)
+    text = _config_get(config, "text_config")
+    if text is not None and _config_get(config, "num_hidden_layers") is None:
+        config = text  # a multimodal config keeps the language model's numbers in text_config
+    num_layers = check_int(_config_get(config, "num_hidden_layers"), "config.num_hidden_layers", 1)
+    num_heads = check_int(_config_get(config, "num_attention_heads"), "config.num_attention_heads", 1)
+    hidden = check_int(_config_get(config, "hidden_size"), "config.hidden_size", 1)
+    kv = _config_get(config, "num_key_value_heads")
+    num_kv_heads = num_heads if kv is None else check_int(kv, "config.num_key_value_heads", 1)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"config.num_attention_heads ({num_heads}) must be a multiple of config.num_key_value_heads "
+            f"({num_kv_heads})"
+        )
+    head_dim = _config_get(config, "head_dim")
+    if head_dim is None:
+        if hidden % num_heads:
+            raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}; set head_dim")
+        head_dim = hidden // num_heads
+    head_dim = check_int(head_dim, "config.head_dim", 1)
+    intermediate = _config_get(config, "intermediate_size") or 4 * hidden
+    vocab = _config_get(config, "vocab_size") or 0
+    max_pos = _config_get(config, "max_position_embeddings")
+    return ModelShape(
+        num_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=int(intermediate),
+        vocab_size=int(vocab),
+        tie_word_embeddings=bool(_config_get(config, "tie_word_embeddings", False)),
+        dtype=_config_dtype(config),
+        max_position_embeddings=None if max_pos is None else int(max_pos),
+    )
+
+
+def num_parameters(config: Any) -> int:
+    """Parameters of a Llama-style decoder (Llama, Mistral, Qwen2/3): embeddings, per layer the q/k/v/o
+    projections, a gated MLP (gate, up, down) and two RMSNorms, a final norm, and an LM head unless it is tied
+    to the embeddings. Biases (Qwen2's q/k/v) and Qwen3's q/k norms are left out: they are < 0.1 %. No vLLM
+    counterpart: vLLM measures the weights it loaded (``GPUModelRunner.model_memory_usage``)."""
+    s = model_shape(config)
+    q = s.num_attention_heads * s.head_dim
+    kv = s.num_kv_heads * s.head_dim
+    attention = s.hidden_size * (q + 2 * kv) + q * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    per_layer = attention + mlp + 2 * s.hidden_size
+    embeddings = s.vocab_size * s.hidden_size
+    lm_head = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
+    return embeddings + s.num_layers * per_layer + s.hidden_size + lm_head
+
+
+def estimate_peak_activation(
+    config: Any, num_tokens: int, dtype: torch.dtype | None = None, num_logit_rows: int | None = None
+) -> int:
+    """An estimate of the peak activation bytes of one forward pass over ``num_tokens`` tokens -- what vLLM
+    measures as the torch peak increase of its profile run. Layers run one after another and free their
+    intermediates, so the peak is one layer's widest moment, not a sum over layers::
+
+        num_tokens * dtype_bytes * (4 * hidden + max(3 * intermediate, 3 * q_width + 4 * kv_width))
+        + num_logit_rows * vocab * 4        # float32 logits of the sampled positions
+
+    (residual stream, its normed copy, the layer input and output; the MLP's gate, up and their product, or
+    attention's q, k, v, their rotated copies and the output). ``num_logit_rows`` defaults to
+    ``min(num_tokens, 256)``: vLLM's profile samples one token per request (``gpu_model_runner.py::
+    _dummy_sampler_run``) and ``max_num_seqs`` defaults to 256. An estimate, not vLLM's number: on a GPU
+    :func:`profile` measures it.
+    """
+    s = model_shape(config)
+    num_tokens = check_int(num_tokens, "num_tokens", 1)
+    dtype = s.dtype if dtype is None else dtype
+    rows = min(num_tokens, 256) if num_logit_rows is None else num_logit_rows
+    q_width = s.num_attention_heads * s.head_dim
+    kv_width = s.num_kv_heads * s.head_dim
+    widest = max(3 * s.intermediate_size, 3 * q_width + 4 * kv_width)
+    return num_tokens * dtype.itemsize * (4 * s.hidden_size + widest) + rows * s.vocab_size * 4
+

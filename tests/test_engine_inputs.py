@@ -1,0 +1,119 @@
+"""What ``LLM.generate`` accepts and refuses: every parameter checked when it is called, a failed call leaves the
+engine as it was (no request left queued, no block held), and prompts of numpy integers are token ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.engine import LLM, SamplingParams
+from pagedkv.grading.lessons.l07_serving_engine import tiny_llama
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+PROMPT = [5, 17, 42, 8, 99, 3]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    torch.set_num_threads(1)
+    return LLM(tiny_llama(), num_gpu_blocks=40, block_size=8, max_model_len=64)
+
+
+def engine_state(llm: LLM) -> tuple[int, int, int, list[str]]:
+    """What a failed generate must leave unchanged: free blocks, waiting and running requests, request ids."""
+    s = llm.scheduler
+    return (s.kv_cache_manager.block_pool.get_num_free_blocks(), len(s.waiting), len(s.running), sorted(s.requests))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("n", 0, "n must be an int >= 1"),
+    ("max_tokens", -3, "max_tokens must be"),
+    ("temperature", 7.0, "temperature must be"),
+    ("top_k", -5, "top_k must be"),
+    ("top_p", 0.0, "top_p must be"),
+    ("seed", 2**70, "seed must be"),
+    ("stop_token_ids", [1, -2], "stop_token_ids"),
+])
+def test_a_field_changed_after_construction_is_checked_by_generate(llm, field, value, message):
+    """``sp.n = 0`` used to return no completions and leave request '0' queued holding blocks; the next generate
+    raised ``KeyError: '0'``."""
+    before = engine_state(llm)
+    expected = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine_state(llm) == before
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    setattr(sp, field, value)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPT, sp, use_tqdm=False)
+    assert engine_state(llm) == before
+    assert getattr(sp, field) == value  # the caller's object is not touched
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_changing_params_after_generate_changes_nothing_queued(llm):
+    """The engine keeps checked copies: the object the caller passed is never read again."""
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+    out = llm.generate([PROMPT, PROMPT[:3]], sp, use_tqdm=False)
+    sp.max_tokens = 1
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+
+
+def test_a_generate_that_fails_midway_leaves_the_engine_as_it_was(llm, monkeypatch):
+    before = engine_state(llm)
+    calls = {"n": 0}
+    real_step = llm.engine_core.step_fn
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:  # with async scheduling, a step is in flight here: the abort drains it
+            raise RuntimeError("interrupted")
+        return real_step()
+
+    monkeypatch.setattr(llm.engine_core, "step_fn", failing_step)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        llm.generate([PROMPT, PROMPT[::-1]], SamplingParams(max_tokens=8, temperature=0.0, n=2), use_tqdm=False)
+    monkeypatch.undo()
+    assert engine_state(llm) == before
+
+
+@pytest.mark.parametrize("seed, n", [(2**70, 1), (2**64 - 1, 2), (2**64, 1), (-(2**63) - 1, 1)])
+def test_a_seed_outside_torchs_range_is_refused_at_construction(seed, n):
+    """``SamplingParams(seed=2**70)`` used to fail later inside torch ("Overflow when unpacking long long")."""
+    with pytest.raises(ValueError, match=r"seed must be an int in -9223372036854775808\.\.\d+") as err:
+        SamplingParams(seed=seed, n=n)
+    assert str(2**64 - n) in str(err.value) and "seed + i" in str(err.value)
+
+
+def test_seeds_at_the_ends_of_the_range_generate(llm):
+    for seed, n in [(2**64 - 2, 2), (-(2**63), 1), (0, 3)]:
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=2, seed=seed, n=n), use_tqdm=False)
+        assert len(out[0].outputs) == n
+
+
+@pytest.mark.parametrize("prompt", [
+    [np.int64(t) for t in PROMPT],
+    [np.int32(t) for t in PROMPT],
+    np.array(PROMPT, dtype=np.int64),
+    {"prompt_token_ids": [np.int16(t) for t in PROMPT]},
+])
+def test_prompts_of_numpy_integers_are_token_ids(llm, prompt):
+    expected = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    got = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert len(got) == 1 and got[0].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert got[0].prompt_token_ids == PROMPT and all(type(t) is int for t in got[0].prompt_token_ids)
+    batch = llm.generate([prompt, PROMPT], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch] == [expected.outputs[0].token_ids] * 2
+
+
+@pytest.mark.parametrize("prompts, where", [
+    ([5, True, 7], r"prompt 0: element 1 is True \(bool\)"),
+    ([[5, 6], [7, np.bool_(False), 9]], r"prompt 1: element 1 is .*False"),
+    ([5, 6.0, 7], r"prompt 0: element 1 is 6\.0 \(float\)"),
+    ([5, 6, "7"], r"prompt 0: element 2 is '7' \(str\)"),
+    ({"prompt_token_ids": [1, 2, None]}, r"prompt 0: element 2 is None"),
+])
+def test_a_bad_token_is_named_by_its_position(llm, prompts, where):
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=where):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert engine_state(llm) == before

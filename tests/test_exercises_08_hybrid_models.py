@@ -1,0 +1,124 @@
+"""Exercise set 08 (hybrid models): the checks pass the solution, fail the stub, and fail plausible wrong
+answers with a message that names the mistake. The source's test cells run in-process
+(``tests/source_notebook.py``); ``tests/test_grading.py`` grades the built notebooks end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from source_notebook import SourceNotebook, stub
+
+SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "08_hybrid_models.ipynb"
+NB = SourceNotebook(SOURCE)
+QUESTIONS = ["skipped_tokens", "remove_skipped", "sliding_hit", "max_blocks", "group_layers"]
+
+
+def _points(results, question):
+    cases = [(ok, msg) for q, _, ok, msg in results if q == question]
+    first = next((msg for ok, msg in cases if not ok), "")
+    return sum(ok for ok, _ in cases), len(cases), first
+
+
+def _wrong(question, old, new):
+    src = NB.solutions[question]
+    assert old in src, old
+    return NB.grade({question: src.replace(old, new)}, only={question})
+
+
+def test_solution_passes_and_stub_fails_every_case() -> None:
+    results = NB.grade({})
+    assert [r for r in results if not r[2]] == []
+    stubbed = NB.grade({q: stub(src) for q, src in NB.solutions.items()})
+    assert not [r for r in stubbed if r[2]], "the untouched stub passes a case"
+    assert all(msg for *_, msg in stubbed)
+    assert any("still the stub" in msg for q, _, _, msg in stubbed if q == "remove_skipped")
+    for q in QUESTIONS:
+        assert {h for qq, h, _, _ in results if qq == q} == {False, True}, f"{q} needs public and hidden cases"
+
+
+def test_skipped_off_by_one_is_named() -> None:
+    r = _wrong("skipped_tokens", "num_computed_tokens - sliding_window + 1", "num_computed_tokens - sliding_window")
+    passed, total, first = _points(r, "skipped_tokens")
+    assert passed == 0 and "is one of the sliding_window tokens it reads" in first
+
+
+def test_releasing_oldest_first_costs_the_order() -> None:
+    r = _wrong(
+        "remove_skipped",
+        "range(min(skipped // manager.block_size, len(blocks)) - 1, -1, -1)",
+        "range(min(skipped // manager.block_size, len(blocks)))",
+    )
+    passed, total, first = _points(r, "remove_skipped")
+    assert passed < total and "newest first" in first
+
+
+def test_dropping_entries_instead_of_nulls_is_named() -> None:
+    src = NB.solutions["remove_skipped"]
+    wrong = src.replace("        blocks[i] = null\n", "").replace(
+        "    if freed:\n", "    del blocks[: len(freed)]\n    if freed:\n")
+    assert wrong != src
+    passed, total, first = _points(NB.grade({"remove_skipped": wrong}, only={"remove_skipped"}), "remove_skipped")
+    assert passed == 0 and "keep the table's length" in first
+
+
+def test_not_stopping_at_the_first_null_double_frees() -> None:
+    r = _wrong("remove_skipped", "        if blocks[i].is_null:\n            break\n",
+               "        if False:\n            break\n")
+    passed, total, first = _points(r, "remove_skipped")
+    assert passed < total and ("cannot free the null block" in first or "ref_cnt" in first)
+
+
+def test_the_full_attention_rule_for_the_hit_is_named() -> None:
+    src = NB.solutions["sliding_hit"]
+    body = src.split("    # BEGIN SOLUTION\n")[1].split("    # END SOLUTION")[0]
+    left_to_right = (
+        "    blocks = []\n"
+        "    for h in block_hashes[: max(0, max_length) // block_size]:\n"
+        "        block = block_pool.get_cached_block(h)\n"
+        "        if block is None:\n"
+        "            break\n"
+        "        blocks.append(block)\n"
+        "    return blocks, len(blocks) * block_size\n"
+    )
+    wrong = src.replace(body, left_to_right)
+    passed, total, first = _points(NB.grade({"sliding_hit": wrong}, only={"sliding_hit"}), "sliding_hit")
+    assert passed < total and "full attention's rule" in first and "scan from the right" in first
+
+
+@pytest.mark.parametrize(
+    "old, new, failing",
+    [
+        ("need = cdiv(sliding_window - 1, block_size)", "need = cdiv(sliding_window, block_size)", "cdiv(8, 4) = 2"),
+        ("    del blocks[run:]\n    return", "    blocks = []\n    return", "short run"),
+        ("            del blocks[i + run :]\n", "            blocks = blocks[i:i + run]\n", "gaps"),
+    ],
+)
+def test_hit_mistakes_fail(old, new, failing) -> None:
+    passed, total, first = _points(_wrong("sliding_hit", old, new), "sliding_hit")
+    assert passed < total and first
+
+
+def test_max_blocks_mistakes_get_hints() -> None:
+    src_expr = "cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1"
+    for new, hint in [
+        ("cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size)", "one block more"),
+        ("cdiv(sliding_window - 1 + max_in_flight_tokens, block_size) + 1", "never more than max_model_len"),
+        ("cdiv(min(sliding_window + max_in_flight_tokens, max_model_len), block_size) + 1", "not sliding_window"),
+    ]:
+        passed, total, first = _points(_wrong("max_blocks", src_expr, new), "max_blocks")
+        assert passed < total and hint in first, (new, first)
+    hard = "def max_admission_blocks_per_request(sliding_window, block_size, max_in_flight_tokens, max_model_len):\n" \
+           "    return 1033\n"
+    passed, _, _ = _points(NB.grade({"max_blocks": hard}, only={"max_blocks"}), "max_blocks")
+    assert passed == 0
+
+
+def test_grouping_in_chunks_is_named() -> None:
+    r = _wrong("group_layers", "groups += [layers[i::n] for i in range(n)]",
+               "groups += [layers[i * group_size:(i + 1) * group_size] for i in range(n)]")
+    passed, total, first = _points(r, "group_layers")
+    assert passed < total and "round-robin" in first
+    r = _wrong("group_layers", "    if max(sizes) < group_size * 1.5:\n        group_size = max(sizes)\n", "")
+    passed, total, first = _points(r, "group_layers")
+    assert passed < total and "pad" in first

@@ -1,0 +1,254 @@
+"""The grading sandbox against what a hostile learner's cell tries (issue 19's table), one sandbox per test.
+
+Each test starts a :class:`~pagedkv.grading.sandbox.Sandbox` (bubblewrap: fresh namespaces, the Python
+environment, the stubbed library copy, the one notebook, private tmpfs), runs a cell in it as the grader runs a
+notebook's cells, and reads what the cell found out through the names it left behind. None imports torch, so a
+sandbox costs well under a second. The tests need bubblewrap; where it cannot run they are skipped, and
+``pagedkv grade --class`` refuses (tested here too, by hiding ``bwrap`` from the command's ``PATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedkv.grading import classroom, grade
+from pagedkv.grading.limits import Limits
+from pagedkv.grading.output import escape_controls, write_replacing
+from pagedkv.grading.remote import Client
+from pagedkv.grading.sandbox import Cgroup, Sandbox, bwrap_problem
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no sandbox here: {bwrap_problem()}")
+
+
+def _run(cell: str, names: list[str], *, limits: Limits | None = None, notebook: Path | None = None,
+         references: list[str] | None = None) -> dict:
+    """Run ``cell`` in a fresh sandbox; the values of ``names`` it defined (plain data)."""
+    sandbox = Sandbox(references=references or [], limits=limits or Limits(), notebook=notebook, require=True)
+    sandbox.start()
+    try:
+        client = Client(sandbox, references or [])
+        result = client.exec_cell(1, cell, 120)
+        assert not result.get("error") and not result.get("timed_out"), result
+        return client.names(names)
+    finally:
+        sandbox.close()
+
+
+@needs_bwrap
+def test_proc_shows_no_grader_and_the_filesystem_no_other_notebook(tmp_path):
+    """Route: read the grader's command line from /proc, glob the --class folder, take another learner's code."""
+    klass = tmp_path / "class"
+    (klass / "alice").mkdir(parents=True)
+    (klass / "alice" / "01_fragmentation.ipynb").write_text("{}")
+    mine = tmp_path / "mine" / "01_fragmentation.ipynb"
+    mine.parent.mkdir()
+    mine.write_text("{}")
+    cell = (
+        "import os\n"
+        "cmdlines = []\n"
+        "for p in os.listdir('/proc'):\n"
+        "    if p.isdigit():\n"
+        "        try:\n"
+        "            cmdlines.append(open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace'))\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "top = sorted(os.listdir('/'))\n"
+        "notebooks = []\n"
+        "for d, subs, files in os.walk('/'):\n"
+        "    subs[:] = [s for s in subs if s not in ('usr', 'proc', '.venv', '.pyenv', 'site-packages')]\n"
+        "    notebooks += sorted(os.path.join(d, f) for f in files if f.endswith('.ipynb'))\n"
+        f"class_visible = os.path.exists({str(klass)!r})\n"
+    )
+    got = _run(cell, ["cmdlines", "notebooks", "class_visible", "top"], notebook=mine)
+    assert got["class_visible"] is False
+    assert set(got["top"]) <= {"bin", "dev", "home", "lib", "lib32", "lib64", "libx32", "proc", "root", "sandbox",
+                               "sbin", "tmp", "usr", "var", "work"}, got["top"]
+    assert got["notebooks"] == ["/home/learner/01_fragmentation.ipynb"], got["notebooks"]
+    assert all("pagedkv" not in c or "_pagedkv_sandbox_boot" in c for c in got["cmdlines"]), got["cmdlines"]
+    assert len(got["cmdlines"]) <= 2  # the learner's Python (and the cell's own reads)
+
+
+@needs_bwrap
+def test_no_other_copy_of_the_library_is_reachable(tmp_path):
+    """Route: load fragmentation.py from another world-readable copy (another clone, the checkout itself)."""
+    clone = tmp_path / "clone" / "pagedkv"
+    clone.mkdir(parents=True)
+    (clone / "fragmentation.py").write_text((ROOT / "pagedkv" / "fragmentation.py").read_text())
+    for p in (tmp_path, tmp_path / "clone", clone):
+        p.chmod(0o755)
+    cell = (
+        "import os, pagedkv\n"
+        f"paths = [{str(clone / 'fragmentation.py')!r}, {str(ROOT / 'pagedkv' / 'fragmentation.py')!r}]\n"
+        "seen = [os.path.exists(p) for p in paths]\n"
+        "where = pagedkv.__file__\n"
+        "from pagedkv.fragmentation import blocks_needed\n"
+        "try:\n"
+        "    blocks_needed(40, 16)\n"
+        "    answer = 'callable'\n"
+        "except RuntimeError:\n"
+        "    answer = 'stub'\n"
+    )
+    got = _run(cell, ["seen", "where", "answer"], references=["pagedkv.fragmentation.blocks_needed"])
+    assert got["seen"] == [False, False]
+    assert got["where"].startswith("/sandbox/site/"), got["where"]
+    assert got["answer"] == "stub"
+
+
+@needs_bwrap
+def test_no_network():
+    """Route: socket.create_connection from learner code."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        cell = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=5).close()\n"
+            "    outcome = 'connected'\n"
+            "except OSError as e:\n"
+            "    outcome = type(e).__name__\n"
+        )
+        got = _run(cell, ["outcome"])
+        assert got["outcome"] != "connected"
+        with pytest.raises(BlockingIOError):
+            server.accept()
+
+
+@needs_bwrap
+def test_memory_is_bounded_for_the_whole_sandbox():
+    """Route: forked children of 2 GiB each (here 3 x 400 MiB under a 768 MiB sandbox): where a cgroup can be
+    made, the sandbox as a whole stays under its limit and a child is killed; rlimits alone would let all three
+    fill their memory (each is under the per-process limit)."""
+    group = Cgroup(Limits())
+    if not group.paths:
+        pytest.skip("no cgroup can be made here: each process is bounded by RLIMIT_AS (see grading/README.md)")
+    group.close()
+    cell = (
+        "import os, time\n"
+        "kids = []\n"
+        "for _ in range(3):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        block = b'\\x01' * (400 << 20)\n"
+        "        time.sleep(3)\n"
+        "        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "statuses = [os.waitpid(pid, 0)[1] for pid in kids]\n"
+    )
+    got = _run(cell, ["statuses"], limits=Limits(memory=768 << 20))
+    assert any(s != 0 for s in got["statuses"]), got["statuses"]
+
+
+@needs_bwrap
+def test_nothing_survives_the_sandbox(tmp_path):
+    """Route: files in /tmp, /var/tmp, /dev/shm stay after grading; a process that double-forks into a session of
+    its own outlives it."""
+    mark = f"pagedkv-left-{os.getpid()}-{tmp_path.name}"
+    cell = (
+        "import os, subprocess, sys\n"
+        f"for d in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+        f"    open(os.path.join(d, {mark!r}), 'w').write('x')\n"
+        "subprocess.Popen([sys.executable, '-c', 'import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n"
+        "    time.sleep(4244.5)'], start_new_session=True)\n"
+        "ok = True\n"
+    )
+    assert _run(cell, ["ok"]) == {"ok": True}
+    assert not [d for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.exists(os.path.join(d, mark))]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=60).stdout
+    assert "4244.5" not in ps
+
+
+def test_reports_replace_a_planted_symlink_instead_of_writing_through_it(tmp_path):
+    """Route: symlinks planted at the --csv/--json paths; the grader (root) must not write through them."""
+    secret = tmp_path / "root-only"
+    secret.write_text("keep me")
+    secret.chmod(0o600)
+    for name in ("grades.csv", "class.json"):
+        (tmp_path / name).symlink_to(secret)
+    classroom.write_csv([{"learner": "a", "set": "s", "exercise": "e", "points": 1.0, "max": 1.0,
+                          "status": "passed", "first failure": ""}], tmp_path / "grades.csv")
+    write_replacing(tmp_path / "class.json", json.dumps({"score": 1}))
+    assert secret.read_text() == "keep me"
+    assert not (tmp_path / "grades.csv").is_symlink() and "learner" in (tmp_path / "grades.csv").read_text()
+    assert json.loads((tmp_path / "class.json").read_text()) == {"score": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["class.json", "grades.csv", "root-only"]
+
+
+def test_control_characters_in_learner_text_are_escaped():
+    """Route: a message with ``\\x1b[2K\\x1b[1A`` rewrites the printed table on the terminal."""
+    evil = "boom\x1b[2K\x1b[1A\rhidden\u202e"
+    assert escape_controls(evil) == "boom\\x1b[2K\\x1b[1A\\x0dhidden\\u202e"
+    ex = grade._exercise_from_json({"name": "f", "score": 0, "possible": 1, "cases": [
+        {"name": "c", "hidden": False, "points": 1, "passed": False, "message": f"f(1) raised ValueError: {evil}"}]})
+    result = grade.NotebookResult(f"nb{evil}.ipynb", None, "graded", 0, 1, 0.0, "", [ex])
+    table = grade.format_table([result])
+    assert "\x1b" not in table and "\r" not in table and "\\x1b[2K" in table
+    assert "\x1b" not in ex.message
+
+
+def test_class_refuses_without_a_sandbox_and_self_study_says_so_once(tmp_path):
+    """Where bubblewrap cannot run (here: not on the PATH), --class refuses with the reason and the install
+    command; grading your own notebook falls back and says so, once."""
+    env = dict(os.environ, PATH=str(tmp_path))
+    klass = tmp_path / "class"
+    klass.mkdir()
+    refused = subprocess.run([sys.executable, "-m", "pagedkv.cli", "grade", "--class", str(klass)], env=env,
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "refusing to grade a class without a sandbox" in refused.stderr and "apt-get install bubblewrap" in \
+        refused.stderr
+    alone = subprocess.run([sys.executable, "-m", "pagedkv.cli", "grade", str(ROOT / "solutions" /
+                            "01_fragmentation.ipynb"), "--no-progress"], env=env, capture_output=True, text=True,
+                           timeout=600, cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stderr.count("grading without a sandbox") == 1, alone.stderr
+    assert "score: 12 / 12" in alone.stdout
+
+
+PATCH_CELL = (  # set 06's route: the learner's process patches the launch to run PyTorch instead of the kernel
+    "import triton.runtime.interpreter as _interp\n"
+    "_interp.InterpretedFunction.__getitem__ = lambda self, grid: (lambda *a, **k: print('PyTorch instead'))\n"
+)
+EMPTY_KERNEL = "@triton.jit\ndef paged_decode_v1_kernel(out_ptr, q_ptr, BLOCK: tl.constexpr):\n    pass\n"
+
+
+def test_a_kernel_is_graded_from_its_source_alone():
+    """Route: an empty @triton.jit kernel whose launch is patched in the learner's process. A kernel exercise's
+    sandbox runs only the notebook's @triton.jit definitions and numeric constants, so the patch never runs."""
+    from pagedkv.grading.kernel_source import kernel_program
+
+    cells = ["import triton\nimport triton.language as tl\nLOG2E = 1.4426950408889634\nSCALE = 2 * LOG2E",
+             PATCH_CELL, "x = 1\n" + EMPTY_KERNEL + "print('not run either')\n"]
+    program = kernel_program(cells, ["paged_decode_v1_kernel"])
+    assert program is not None and program.problems == {}
+    assert "InterpretedFunction" not in program.source and "print" not in program.source
+    assert "LOG2E = 1.4426950408889634" in program.source and "def paged_decode_v1_kernel" in program.source
+    assert "SCALE" not in program.source and "x = 1" in program.source  # literal constants only
+    assert kernel_program(cells, ["blocks_needed"]) is None  # not a kernel exercise: the notebook runs as usual
+
+
+@pytest.mark.parametrize("body, used", [
+    ("    import torch\n", "import"),
+    ("    torch.zeros(4)\n", "`torch`"),
+    ("    __import__('os')\n", "`__import__`"),
+    ("    tl.store.__globals__\n", "`__globals__`"),
+])
+def test_a_kernel_body_that_is_not_triton_fails_its_exercise(body, used):
+    """Under the interpreter a kernel's body runs as Python: reaching beyond Triton is refused, as a GPU would."""
+    from pagedkv.grading.kernel_source import kernel_program
+
+    helper = "@triton.jit\ndef helper(x):\n" + body + "    return x\n"
+    kernel = "@triton.jit\ndef k(out_ptr, BLOCK: tl.constexpr):\n    y = helper(tl.arange(0, BLOCK))\n"
+    program = kernel_program([helper, kernel], ["k"])
+    assert program is not None and used in program.problems["helper"], program.problems
+    assert kernel_program([kernel.replace("helper(", "tl.sum(")], ["k"]).problems == {}

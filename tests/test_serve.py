@@ -1,0 +1,329 @@
+"""Lesson 9's server over HTTP on 127.0.0.1 (a free port, never a fixed one): the OpenAI protocol, streaming,
+bad requests, disconnects, metrics, cache_salt; the tiny seeded model and an offline tokenizer (no downloads).
+Every server is stopped by its fixture; every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from pagedkv.engine import LLM, SamplingParams
+from pagedkv.entrypoints.api_server import bind_socket, build_app, build_engine
+from pagedkv.entrypoints.cli_args import make_arg_parser
+from pagedkv.entrypoints.tiny import tiny_model, tiny_tokenizer
+
+MAX_MODEL_LEN = 256
+BLOCKS = 64
+BLOCK_SIZE = 16
+
+
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[SimpleNamespace]:
+    """``pagedkv serve tiny`` in a thread of this process on 127.0.0.1:<free port>; stopped on exit."""
+    import uvicorn
+
+    args = make_arg_parser().parse_args(["tiny", "--port", "0", "--num-gpu-blocks", str(BLOCKS), "--max-model-len",
+                                         str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), *flags])
+    engine, names = build_engine(args)
+    app = build_app(engine, names, "tiny", args.enable_prompt_tokens_details)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=60) as client:
+            yield SimpleNamespace(base=base, client=client, engine=engine, llm=engine.llm)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive(), "the server thread did not stop"
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[SimpleNamespace]:
+    with serving("--enable-prompt-tokens-details") as s:
+        yield s
+
+
+def idle(s: SimpleNamespace, timeout: float = 30.0) -> dict:
+    """Wait (bounded) until the server runs nothing and holds no blocks; return its snapshot."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = s.client.get("/pagedkv/snapshot").json()
+        if not snap["running"] and not snap["waiting"] and not snap["block_tables"]:
+            return snap
+        assert time.monotonic() < deadline, f"the server still holds requests: {snap['block_tables']}"
+        time.sleep(0.05)
+
+
+def completion(s: SimpleNamespace, **body) -> dict:
+    r = s.client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse(text: str) -> list:
+    """The data of each server-sent event; the last must be ``[DONE]``."""
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", text[-300:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+PROMPTS = [[5, 17, 300, 42, 8, 8, 9], list(range(40, 75)), [1], list(range(100, 118))]
+
+
+def test_health_models_and_metrics_names(srv):
+    assert srv.client.get("/health").status_code == 200
+    models = srv.client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    completion(srv, prompt=[1, 2, 3], max_tokens=3)
+    text = srv.client.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count"):
+        assert name in text, name
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}' in text
+
+
+def test_greedy_over_http_equals_offline_generate(srv):
+    """The same tiny model, pool and block size offline: token for token the same greedy completions."""
+    llm = LLM(tiny_model(0), num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)
+    offline = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    body = completion(srv, prompt=PROMPTS, max_tokens=12, temperature=0, return_token_ids=True)
+    assert [c["token_ids"] for c in body["choices"]] == [o.outputs[0].token_ids for o in offline]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length"] * len(PROMPTS)
+    tok = tiny_tokenizer()
+    assert body["choices"][0]["text"] == tok.decode(offline[0].outputs[0].token_ids, skip_special_tokens=True)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, PROMPTS))
+    assert body["usage"]["completion_tokens"] == 12 * len(PROMPTS)
+    idle(srv)
+
+
+def test_sixteen_concurrent_streams(srv):
+    """16 streams at once, each a different prompt: every one ends in [DONE] with the non-streamed greedy tokens,
+    and the server ran several of them in one batch."""
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(16)]
+    expected = completion(srv, prompt=prompts, max_tokens=20, temperature=0, return_token_ids=True)["choices"]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=srv.base, timeout=120) as c:
+            async def one(p):
+                r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": 20, "temperature": 0,
+                                                          "stream": True, "return_token_ids": True,
+                                                          "stream_options": {"include_usage": True}})
+                return r.status_code, r.text
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(go())
+    for (status, text), exp in zip(results, expected, strict=True):
+        assert status == 200
+        events = sse(text)
+        tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+        assert tokens == exp["token_ids"]
+        assert "".join(c["text"] for e in events for c in e["choices"]) == exp["text"]
+        assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 20
+    m = srv.client.get("/metrics").text
+    assert "vllm:num_preemptions_total" in m
+    idle(srv)
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b'{"prompt": "hi", "max_tokens": "many"}', 400, "body.max_tokens"),
+    (b'{"prompt": "hi", "temperature": "hot"}', 400, "body.temperature"),
+    (b'{"prompt": [1, -3]}', 400, None),
+    (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "n": 0}', 400, "n"),
+    (b'{"prompt": "hi", "temperature": 3.5}', 400, "temperature"),
+    (b'{"prompt": "hi", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "hi", "top_k": -5}', 400, "top_k"),
+    (b'{"prompt": [600, 1]}', 400, "prompt"),
+    (b'{"prompt": "hi", "stop_token_ids": [100000]}', 400, "stop_token_ids"),
+    (b'{"prompt": ""}', 400, "prompt"),
+    (b'{"prompt": []}', 400, "prompt"),
+    (b'{}', 400, "prompt"),
+    (json.dumps({"prompt": [3] * MAX_MODEL_LEN}).encode(), 400, "input_tokens"),
+    (json.dumps({"prompt": [3] * 10, "max_tokens": MAX_MODEL_LEN}).encode(), 400, "input_tokens"),
+    (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
+    (b'{"prompt": "hi", "logprobs": 2}', 400, "logprobs"),
+    (b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
+    (b'[1, 2]', 400, None),
+    (b'{"prompt": "hi", "cache_salt": ""}', 400, "cache_salt"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD, ids=[b[0][:40].decode() for b in BAD])
+def test_bad_requests_get_openai_errors_and_change_nothing(srv, body, status, param):
+    r = srv.client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert srv.client.get("/health").status_code == 200
+    assert idle(srv)["block_tables"] == {}
+
+
+def test_bad_chat_requests(srv):
+    for body, status in (({"messages": []}, 400), ({"messages": "hi"}, 400), ({"model": "x", "messages": [
+            {"role": "user", "content": "hi"}]}, 404), ({"messages": [{"content": "no role"}]}, 400)):
+        r = srv.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["code"] == status
+    assert srv.client.get("/nope").status_code == 404
+    assert srv.client.get("/nope").json()["error"]["code"] == 404
+
+
+def test_disconnects_abort_and_free_blocks(srv):
+    """A streaming client that goes away after two chunks, and a non-streaming one that times out: both requests
+    are aborted, their blocks return to the pool, and the server answers the next request."""
+    with httpx.Client(base_url=srv.base, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": list(range(1, 60)), "max_tokens": 190,
+                                                      "stream": True}) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    got += 1
+                    if got == 2:
+                        break
+    # the connection is closed: the engine must drop the request
+    idle(srv)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{srv.base}/v1/completions", json={"prompt": list(range(1, 60)), "max_tokens": 190},
+                   timeout=0.3)
+    snap = idle(srv)
+    assert len(snap["free_queue"]) == BLOCKS - 1
+    assert completion(srv, prompt=[1, 2], max_tokens=2)["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_client_completions_chat_and_stream(srv):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    out = client.completions.create(model="tiny", prompt="Hello, world!", max_tokens=6, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me a story"}],
+                                          max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=5, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="Hello")
+
+
+def test_sampling_parameters_n_seed_and_stop(srv):
+    body = dict(prompt=[9, 8, 7], max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, n=3,
+                return_token_ids=True)
+    a, b = completion(srv, **body), completion(srv, **body)
+    assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]  # seeded
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2] and a["usage"]["completion_tokens"] == 30
+    greedy = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0)["choices"][0]["text"]
+    stop = greedy[3:5]
+    assert stop
+    cut = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, stop=[stop])["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    assert cut["text"] == greedy[: greedy.index(stop)]
+    ids = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, return_token_ids=True)["choices"][0]
+    stopped = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, stop_token_ids=[ids["token_ids"][2]],
+                         return_token_ids=True)["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == ids["token_ids"][:3]
+    idle(srv)
+
+
+def test_cache_salt_isolates_tenants(srv):
+    """The paired test: a prompt of four full blocks is served from the prefix cache for a second request with
+    the same salt, and not at all for another salt (or none): the salt enters the first block's hash."""
+    prompt = list(range(200, 200 + 4 * BLOCK_SIZE + 3))
+
+    def cached(salt):
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return completion(srv, **body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == 4 * BLOCK_SIZE  # reuse within one salt
+    assert cached("tenant-b") == 0  # none across salts
+    assert cached(None) == 0
+    assert cached(None) == 4 * BLOCK_SIZE
+    assert cached("tenant-b") == 4 * BLOCK_SIZE
+    idle(srv)
+
+
+def test_contiguous_reservation_same_tokens_fewer_running():
+    """--kv-reservation contiguous: the same greedy tokens, each request holding ceil(max_model_len / block_size)
+    blocks from admission, so at most (BLOCKS - 1) // 16 = 3 run at once."""
+    with serving("--kv-reservation", "contiguous") as s:
+        body = completion(s, prompt=PROMPTS, max_tokens=12, temperature=0, return_token_ids=True)
+        llm = LLM(tiny_model(0), num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)
+        offline = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+        assert [c["token_ids"] for c in body["choices"]] == [o.outputs[0].token_ids for o in offline]
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=s.base, timeout=120) as c:
+                tasks = [asyncio.create_task(c.post("/v1/completions", json={"prompt": [i + 1] * 8,
+                                                                             "max_tokens": 40}))
+                         for i in range(8)]
+                seen = 0
+                for _ in range(400):
+                    snap = (await c.get("/pagedkv/snapshot")).json()
+                    tables = snap["block_tables"].values()
+                    assert all(len(t) == MAX_MODEL_LEN // BLOCK_SIZE for t in tables)
+                    seen = max(seen, len(snap["running"]))
+                    if all(t.done() for t in tasks):
+                        break
+                    await asyncio.sleep(0.01)
+                return seen, [t.result().status_code for t in tasks]
+
+        seen, codes = asyncio.run(burst())
+        assert codes == [200] * 8 and 1 <= seen <= (BLOCKS - 1) // (MAX_MODEL_LEN // BLOCK_SIZE)
+        idle(s)
+
+
+def test_bench_serve_against_the_server(srv, tmp_path):
+    from pagedkv.benchmarks.serve import benchmark, sharegpt_like_requests
+
+    reqs = sharegpt_like_requests(8, MAX_MODEL_LEN, 512, seed=3)
+    assert all(len(r.prompt_token_ids) + r.output_len <= MAX_MODEL_LEN for r in reqs)
+    out = asyncio.run(benchmark(srv.base, "tiny", reqs, float("inf"), poll=0.05))
+    assert out["completed"] == 8 and out["failed"] == 0
+    assert out["total_output_tokens"] == sum(r.output_len for r in reqs)
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms",
+                "num_preemptions", "max_running"):
+        assert key in out
+    assert out["timeseries"] and out["max_running"] >= 1
+
+
+@pytest.mark.slow
+def test_pagedkv_serve_command_answers_the_openai_client(tmp_path):
+    """``pagedkv serve tiny --port 0`` as a learner starts it: it prints its address, answers, and stops."""
+    openai = pytest.importorskip("openai")
+    from pagedkv.benchmarks.serve import launched_server
+
+    with launched_server("tiny", ["--max-model-len", "128", "--num-gpu-blocks", "32"]) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4)
+        assert out.usage.completion_tokens == 4
