@@ -135,12 +135,32 @@ def prepare_inputs(
 # ---------------------------------------------------------------------------------------------------------
 # CUDA graphs: batch-size buckets
 # ---------------------------------------------------------------------------------------------------------
+def vllm_cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int,
+                                 num_speculative_tokens: int = 0) -> list[int]:
+    """The sizes vLLM 0.26 captures by default, in **tokens**: ``[1, 2, 4] + range(8, 256, 8) + range(256, cap + 1,
+    16)``, plus ``max_num_batched_tokens`` when it fits, with ``cap = min(max_num_seqs * decode_query_len * 2, 512,
+    max_num_batched_tokens)`` and ``decode_query_len = 1 + num_speculative_tokens``. Mirrors
+    ``VllmConfig._set_cudagraph_sizes`` (``vllm/config/vllm.py``; kept in
+    ``CompilationConfig.cudagraph_capture_sizes``). Under the default ``cudagraph_mode`` ``FULL_AND_PIECEWISE``
+    (``vllm/config/compilation.py``) decode batches replay full graphs and mixed batches piecewise ones, so a size
+    counts a step's tokens, not its requests (for 256 sequences and 8,192 tokens: 51 sizes up to 512)."""
+    cap = min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512, max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= cap]
+    if cap >= 8:
+        sizes += list(range(8, min(cap + 1, 256), 8))
+    if cap >= 256:
+        sizes += list(range(256, cap + 1, 16))
+    if max_num_batched_tokens <= cap:
+        sizes.append(max_num_batched_tokens)
+    return sorted(set(sizes))
+
+
 def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
-    """The decode batch sizes to capture: ``[1, 2, 4] + range(8, 256, 8) + range(256, cap + 1, 16)`` and ``cap``,
-    where ``cap = min(max_num_seqs, max_size)``. vLLM 0.26's default pattern (``VllmConfig._set_cudagraph_sizes``,
-    ``vllm/config/vllm.py``, kept in ``CompilationConfig.cudagraph_capture_sizes``), whose cap is
-    ``min(2 * max_num_seqs, 512, max_num_batched_tokens)``: vLLM's graphs count tokens and also serve mixed
-    batches; the lab's serve decode-only steps, one token per request, so no more than ``max_num_seqs``."""
+    """The decode batch sizes the lab captures: vLLM's pattern (:func:`vllm_cudagraph_capture_sizes`) with
+    ``cap = min(max_num_seqs, max_size)``, and ``cap`` itself. The lab differs on purpose: it captures full graphs
+    of decode-only steps (one token per request), so it needs no size above ``max_num_seqs``, and mixed steps run
+    eagerly; vLLM 0.26 caps at ``min(2 * max_num_seqs, 512, max_num_batched_tokens)`` tokens and replays
+    piecewise graphs for mixed steps too."""
     cap = max(1, min(max_num_seqs, max_size))
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
     out = sorted({s for s in sizes if s <= cap} | {cap})
