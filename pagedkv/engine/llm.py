@@ -485,7 +485,11 @@ class LLM:
         core.abort_requests(request_ids)
         while core.batch_queue:  # the discarded steps' samples: read, and thrown away by update_from_output
             future, so = core.batch_queue.pop()
-            core._update_from_output(so, future.result())
+            try:
+                output = future.result()
+            except Exception:  # noqa: BLE001 - the executor failed (a dead worker): its error is already raised
+                continue
+            core._update_from_output(so, output)
 
     @staticmethod
     def _record(completion: _Completion, out: EngineCoreOutput) -> None:

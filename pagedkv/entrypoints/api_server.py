@@ -523,7 +523,6 @@ def reserve_contiguous(llm: Any) -> None:
     lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager` (first fit, ``ceil(max_model_len /
     block_size)`` blocks per request, reserved at admission), so that paged and contiguous differ in the
     allocation rule alone."""
-    from pagedkv.scheduler import Scheduler
     from pagedkv.sim.baseline import ContiguousKVCacheManager
 
     old = llm.scheduler
@@ -531,8 +530,9 @@ def reserve_contiguous(llm: Any) -> None:
         raise ValueError("switch to contiguous reservation before any request is added")
     manager = ContiguousKVCacheManager(llm.num_gpu_blocks, llm.block_size, llm.max_model_len)
     llm.kv_cache_manager = manager
-    llm.scheduler = Scheduler(manager, old.max_num_seqs, old.max_num_batched_tokens,
+    llm.scheduler = type(old)(manager, old.max_num_seqs, old.max_num_batched_tokens,  # AsyncScheduler or Scheduler
                               preemption_mode=old.preemption_mode, num_cpu_blocks=old.cpu_block_pool.num_blocks)
+    llm.engine_core.scheduler = llm.scheduler  # the engine core steps the scheduler it holds
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
