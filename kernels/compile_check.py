@@ -69,6 +69,11 @@ def _collect_launches(dtypes, configs, fp8: bool = True):
             qsl = torch.tensor([0, 3, 10], dtype=torch.int32)
             prefill.paged_prefill_attention(torch.randn(10, 2 * group, head_dim).to(dtype), kc, vc, bt, sl, qsl,
                                             validate=False, max_query_len=7)
+            # a sliding window (a constexpr: its own specialisation of each kernel that takes one)
+            decode_v3.launch_decode_v3(*args, sliding_window=100)
+            decode_v4.launch_decode_v4(*args, num_splits=5, sliding_window=100)
+            prefill.paged_prefill_attention(torch.randn(10, 2 * group, head_dim).to(dtype), kc, vc, bt, sl, qsl,
+                                            validate=False, max_query_len=7, sliding_window=100)
             kv = torch.randn(3, 2, head_dim).to(dtype)
             cache.reshape_and_cache(kv, kv.clone(), kc, vc, torch.tensor([1, -1, 40]))
     return calls

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedkv.attention import check_sliding_window
 from pagedkv.utils import check_int
 
 from ._common import (
@@ -59,6 +60,7 @@ from .dispatch import (
 
 DECODE_VERSIONS = (1, 2, 3, 4)
 FP8_VERSIONS = (3, 4)  # the versions that read an fp8 cache (1 and 2 stay as the lesson writes them)
+WINDOW_VERSIONS = (3, 4)  # the versions that take a sliding window (likewise)
 _MAX_PLANS = 256  # distinct call signatures remembered; the cache is cleared when it fills
 
 
@@ -119,8 +121,11 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, version, num_splits, out,
-               k_scale, v_scale, validate) -> _Plan:
+               k_scale, v_scale, validate, sliding_window=None) -> _Plan:
     """Every check that depends only on shapes, dtypes, strides and devices; raises ValueError."""
+    if sliding_window is not None and version not in (None, *WINDOW_VERSIONS):
+        raise ValueError(f"a sliding window is taken by versions {WINDOW_VERSIONS} (and the default dispatch); "
+                         f"got version={version}")
     batch, _, head_dim, _, block_size, num_kv_heads = check_query_and_cache(
         query, key_cache, value_cache, {"block_tables": block_tables, "seq_lens": seq_lens}, "batch"
     )
@@ -135,7 +140,7 @@ def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, ver
     resolve_kv_scale("k_scale", k_scale, key_cache.dtype)
     resolve_kv_scale("v_scale", v_scale, key_cache.dtype)
     sms = num_sms(query.device)
-    bound = max(1, block_tables.shape[1] * block_size)
+    bound = visible_length(max(1, block_tables.shape[1] * block_size), sliding_window)
     fixed = None
     if not validate or version is not None:  # the configuration does not depend on the lengths' values
         fixed = (choose_decode_config(max(batch, 1), num_kv_heads, bound, sms, key_cache.element_size())
@@ -146,6 +151,12 @@ def _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, ver
         fixed = _fit(fixed, head_dim, key_cache.element_size(), query.device)
     return _Plan(batch, num_kv_heads, bound, resolve_scale(scale, head_dim), sms, key_cache.element_size(),
                  query.stride(-1) != 1, fixed)
+
+
+def visible_length(seq_len: int, sliding_window: int | None) -> int:
+    """The tokens one decode query reads: ``seq_len``, or at most the window's ``W``. The dispatch sizes its
+    split-K slices by it: a 32k-token sequence under a 4k window is a 4k-token decode."""
+    return seq_len if sliding_window is None else min(seq_len, sliding_window)
 
 
 def paged_attention_decode(
@@ -162,6 +173,7 @@ def paged_attention_decode(
     validate: bool = True,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest query over its paged KV cache; returns ``out [B, Hq, D]``.
 
@@ -175,6 +187,10 @@ def paged_attention_decode(
     synchronisation); shapes, dtypes and devices are always checked (once per call signature).
     An fp8 cache (``torch.float8_e4m3fn``, written by ``reshape_and_cache``) holds ``value / k_scale`` and
     ``value / v_scale``; pass the same scales here (versions 3, 4 and the default dispatch read it).
+    ``sliding_window = W`` (versions 3, 4 and the default dispatch): the query, at position ``seq_len - 1``,
+    sees only the last ``W`` tokens; the tiles wholly before them are skipped, so their block-table entries
+    may be the null block (vLLM 0.26 passes ``window_size = (W - 1, 0)``; transformers masks
+    ``kv_idx > q_idx - W``).
 
     Raises ValueError on a bad shape, dtype or device, ``Hq`` not a multiple of ``Hkv``, a sequence of
     length 0, a block table too short for its sequence or holding an id outside the cache.
@@ -187,13 +203,14 @@ def paged_attention_decode(
         check_int(num_splits, "num_splits", 1, 4 * MAX_SPLITS)
     if num_splits is not None and version not in (None, 4):
         raise ValueError(f"num_splits applies to version 4 (split-K) only; got version={version}")
+    sliding_window = check_sliding_window(sliding_window)
     key = (_signature(query), _signature(key_cache), _signature(value_cache), _signature(block_tables),
            _signature(seq_lens), None if out is None else _signature(out), scale, version, num_splits,
-           validate, k_scale, v_scale)
+           validate, k_scale, v_scale, sliding_window)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(query, key_cache, value_cache, block_tables, seq_lens, scale, version, num_splits, out,
-                          k_scale, v_scale, validate)
+                          k_scale, v_scale, validate, sliding_window)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -201,7 +218,8 @@ def paged_attention_decode(
     if validate:
         max_len = check_block_tables(block_tables, seq_lens, plan.batch, key_cache.shape[0], key_cache.shape[1])
         if config is None and plan.batch:
-            config = choose_decode_config(plan.batch, plan.num_kv_heads, max_len, plan.sms, plan.element_size)
+            config = choose_decode_config(plan.batch, plan.num_kv_heads, visible_length(max_len, sliding_window),
+                                          plan.sms, plan.element_size)
             if num_splits is not None and config.version == 4:
                 config = config._replace(num_splits=num_splits)
             config = _fit(config, query.shape[-1], plan.element_size, query.device)
@@ -222,11 +240,12 @@ def paged_attention_decode(
         launch_decode_v2(*args)
     elif version == 3:
         launch_decode_v3(*args, tile_tokens=config.tile_tokens, num_warps=config.num_warps,
-                         num_stages=config.num_stages, k_scale=k_scale, v_scale=v_scale)
+                         num_stages=config.num_stages, k_scale=k_scale, v_scale=v_scale,
+                         sliding_window=sliding_window)
     else:
         launch_decode_v4(*args, num_splits=config.num_splits, tile_tokens=config.tile_tokens,
                          num_warps=config.num_warps, num_stages=config.num_stages,
-                         k_scale=k_scale, v_scale=v_scale)
+                         k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
     return out
 
 
@@ -260,6 +279,7 @@ paged_attention_decode_v4 = _versioned(4)
 __all__ = [
     "DECODE_VERSIONS",
     "TILE_TOKENS",
+    "WINDOW_VERSIONS",
     "choose_num_splits",
     "decode_config",
     "num_sms",

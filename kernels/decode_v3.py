@@ -48,11 +48,15 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    window_lo=0,  # the first visible position under a sliding window (seq_len - W, at least 0)
+    SLIDING_WINDOW: tl.constexpr = 0,  # 0: full attention; W > 0: positions below window_lo are masked
 ):
     """Online softmax over tiles ``[tile_lo, tile_hi)``; returns the unnormalised ``(acc, m, l)``.
 
     ``acc[r] / l[r]`` is row r's attention output over the visited tokens, and ``m[r] + log2(l[r])`` its
-    log-sum-exp in log2 units. With no tile visited: ``acc = 0``, ``l = 0``, ``m = -inf``.
+    log-sum-exp in log2 units. With no tile visited: ``acc = 0``, ``l = 0``, ``m = -inf``. With a sliding
+    window, positions below ``window_lo`` are masked: they are never loaded, so their blocks may be the null
+    block (vLLM frees them, ``SlidingWindowManager.remove_skipped_blocks``).
     """
     offs_t = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -64,6 +68,8 @@ def _attend_tiles(
     for tile in range(tile_lo, tile_hi):
         token = tile * TILE_N + offs_t  # [TILE_N] logical positions
         valid = token < seq_len
+        if SLIDING_WINDOW > 0:
+            valid = valid & (token >= window_lo)
         # One block-table lookup per token: neighbours share a block, so these loads coalesce.
         physical = tl.load(table_row + token // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = (token % BLOCK_SIZE).to(tl.int64)
@@ -106,6 +112,7 @@ def _paged_decode_v3_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: full attention; W: the query sees its last W tokens
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,12 +122,15 @@ def _paged_decode_v3_kernel(
     q_heads = kv_head * GROUP + offs_g
 
     seq_len = tl.load(seq_lens_ptr + b)
+    window_lo = 0  # the first visible position: 0, or seq_len - W under a sliding window (a static branch)
+    if SLIDING_WINDOW > 0:
+        window_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask, other=0.0)
     acc, m_i, l_i = _attend_tiles(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b.to(tl.int64) * stride_bt, kv_head, seq_len,
-        0, tl.cdiv(seq_len, TILE_N), qk_scale, stride_kb, stride_kt, stride_kh,
-        BLOCK_G, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        window_lo // TILE_N, tl.cdiv(seq_len, TILE_N), qk_scale, stride_kb, stride_kt, stride_kh,
+        BLOCK_G, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, window_lo, SLIDING_WINDOW,
     )
     out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
@@ -140,11 +150,14 @@ def launch_decode_v3(
     num_stages: int = NUM_STAGES,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> None:
     """Launch version 3 on validated inputs: grid ``(B, Hkv)``, ``tile_tokens`` tokens per iteration.
 
     ``tile_tokens``, ``num_warps`` and ``num_stages`` change speed, not results (see ``dispatch``).
-    ``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (``stored = value / scale``)."""
+    ``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (``stored = value / scale``).
+    ``sliding_window = W``: each query sees its sequence's last ``W`` tokens, and the tiles wholly before
+    them are skipped (vLLM 0.26's ``kernel_unified_attention`` takes it as ``SLIDING_WINDOW``)."""
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -163,6 +176,7 @@ def launch_decode_v3(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         DOT_PRECISION=dot_precision(query.dtype),
+        SLIDING_WINDOW=sliding_window or 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )

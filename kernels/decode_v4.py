@@ -61,6 +61,7 @@ def _paged_decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: full attention; W: the query sees its last W tokens
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,9 +73,13 @@ def _paged_decode_split_kernel(
     q_heads = kv_head * GROUP + offs_g
 
     seq_len = tl.load(seq_lens_ptr + b)
+    window_lo = 0  # the first visible position: 0, or seq_len - W under a sliding window (a static branch)
+    if SLIDING_WINDOW > 0:
+        window_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    first_tile = window_lo // TILE_N  # a sliding window's tiles wholly behind it are never visited
     num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)  # each sequence is split evenly by its own length
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)  # split evenly, by the visible length
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
@@ -82,7 +87,7 @@ def _paged_decode_split_kernel(
     acc, m_i, l_i = _attend_tiles(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + b.to(tl.int64) * stride_bt, kv_head, seq_len,
         tile_lo, tile_hi, qk_scale, stride_kb, stride_kt, stride_kh,
-        BLOCK_G, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        BLOCK_G, BLOCK_SIZE, TILE_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, window_lo, SLIDING_WINDOW,
     )
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None] * v_scale  # an empty slice writes zeros, not 0/0
@@ -116,7 +121,7 @@ def _paged_decode_reduce_kernel(
 
     lse = tl.load(lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask,
                   other=float("-inf"))  # [BLOCK_S]
-    lse_max = tl.max(lse, axis=0)  # finite: slice 0 always holds the sequence's first tile
+    lse_max = tl.max(lse, axis=0)  # finite: slice 0 always holds the sequence's first visible tile
     w = tl.exp2((lse - lse_max) * _LOG2E)  # [BLOCK_S]; 0 for empty and padding slices
     part_offs = b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
     part = tl.load(o_part_ptr + part_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
@@ -139,12 +144,14 @@ def launch_decode_v4(
     num_stages: int = NUM_STAGES,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch split-K on validated inputs; returns the intermediates ``(o_part [B,Hq,S,D], lse [B,Hq,S])``.
 
     Two launches: the split kernel, grid ``(B, Hkv, num_splits)``, then the reduce, grid ``(B, Hq)``.
     ``tile_tokens``, ``num_warps`` and ``num_stages`` are launch choices (see ``dispatch``), not semantics.
     ``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (``stored = value / scale``).
+    ``sliding_window = W``: each query sees its last ``W`` tokens; the slices split only the visible tiles.
     """
     batch, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -170,6 +177,7 @@ def launch_decode_v4(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         DOT_PRECISION=dot_precision(query.dtype),
+        SLIDING_WINDOW=sliding_window or 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -13,6 +13,13 @@ and, with ``--with-engine``, then
    token for token against transformers);
 5. the engine's GPU benchmark, ``python -m pagedkv.benchmarks.engine --gpu`` (~1B Llama shape, bf16),
 
+and, with ``--with-serve``, then
+
+6. lesson 9's measurement on the GPU: ``pagedkv bench serve --launch tiny`` with a ~1B Llama shape (random
+   weights, bf16) behind the OpenAI-compatible server, paged against contiguous ``max_model_len`` reservation
+   on the same KV bytes (``--kv-cache-memory-bytes``), Poisson rates and a burst, ShareGPT-shaped lengths
+   (``serve_gpu.json``, ``serve_gpu.png``),
+
 and writes ``device_check.json`` (each step's command, exit status, seconds and output tail) plus the
 benchmarks' JSON and plots into ``benchmarks/results/gpu/<date>-<gpu>-device-check/``. Each step gets
 what is left of the budget; a step that runs out is stopped and recorded as timed out, and the check
@@ -22,6 +29,7 @@ exits non-zero if any step failed.
     python -m pagedkv.kernels.device_check --dry-run     # anywhere: print the plan, run nothing
     python -m pagedkv.kernels.device_check --skip lesson --budget 300 --out DIR
     python -m pagedkv.kernels.device_check --with-engine --budget 570   # all five, one 10-minute command
+    python -m pagedkv.kernels.device_check --with-serve --skip tests --skip bench --skip lesson --budget 540
 """
 
 from __future__ import annotations
@@ -31,13 +39,20 @@ import datetime as _dt
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-STEPS = ("tests", "bench", "lesson", "engine-tests", "engine-bench")
+STEPS = ("tests", "bench", "lesson", "engine-tests", "engine-bench", "serve-bench")
 ENGINE_STEPS = ("engine-tests", "engine-bench")
+SERVE_STEPS = ("serve-bench",)
+#: Lesson 9 on a GPU: a Llama-3.2-1B-like shape (random weights) and a 4 GiB KV pool, the same for both modes.
+SERVE_MODEL = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "vocab_size": 32000, "initializer_range": 0.02,
+               "max_position_embeddings": 4096}
+SERVE_KV_BYTES = 4 * 2**30
 ROOT = Path(__file__).resolve().parents[1]  # the source checkout (kernels/ sits at its top level)
 LESSON = ROOT / "notebooks" / "06_paged_attention_kernel.ipynb"
 DEFAULT_BUDGET_S = 360
@@ -53,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the kernel tests")
     p.add_argument("--with-engine", action="store_true",
                    help="also run the engine's GPU tests and its GPU benchmark (lesson 7), after the kernel steps")
+    p.add_argument("--with-serve", action="store_true",
+                   help="also run lesson 9's serving benchmark (paged vs contiguous reservation), after the others")
     p.add_argument("--dry-run", action="store_true", help="print the steps and the folder; run nothing")
     args = p.parse_args(argv)
     if args.budget < 30:
@@ -79,8 +96,15 @@ def plan(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, list[str]]]
                          "-m", "gpu"],
         "engine-bench": [py, "-m", "pagedkv.benchmarks.engine", "--gpu", "--json", str(out_dir / "engine_gpu.json"),
                          "--plot", str(out_dir / "engine_gpu.png")],
+        "serve-bench": [py, "-m", "pagedkv.benchmarks.serve", "--launch", "tiny", "--modes", "paged", "contiguous",
+                        "--rates", "8", "32", "inf", "--num-prompts", "256", "--vocab-size", "32000",
+                        "--server-args", f"--hf-overrides {shlex.quote(json.dumps(SERVE_MODEL))} "
+                        f"--dtype bfloat16 --max-model-len 2048 --kv-cache-memory-bytes {SERVE_KV_BYTES}",
+                        "--note", "GPU device check: a ~1B Llama shape with random weights, bf16, 4 GiB of KV",
+                        "--json", str(out_dir / "serve_gpu.json"), "--plot", str(out_dir / "serve_gpu.png")],
     }
     skip = set(args.skip) | (set() if args.with_engine else set(ENGINE_STEPS))
+    skip |= set() if args.with_serve else set(SERVE_STEPS)
     return [(name, cmd) for name, cmd in steps.items() if name not in skip]
 
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.attention import check_sliding_window
+
 from ._common import (
     LOG2E,
     check_block_tables,
@@ -65,6 +67,7 @@ def _paged_prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: full attention; W: a query at p sees keys p - W + 1 .. p
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,8 +97,13 @@ def _paged_prefill_kernel(
     # Keys beyond the last query of this program are in every row's future: stop before them.
     last_pos = tl.minimum(prefix_len + q_block * BLOCK_Q + BLOCK_Q, seq_len)
     num_tiles = tl.where(q_block * BLOCK_Q < q_len, tl.cdiv(last_pos, TILE_N), 0)
+    # Under a sliding window, keys before the first query's window are behind every row: start after them
+    # (their blocks may be the null block: vLLM's SlidingWindowManager.remove_skipped_blocks frees them).
+    first_tile = 0
+    if SLIDING_WINDOW > 0:
+        first_tile = tl.maximum(prefix_len + q_block * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
     table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for tile in range(0, num_tiles):
+    for tile in range(first_tile, num_tiles):
         k_pos = tile * TILE_N + offs_t
         k_valid = k_pos < seq_len
         physical = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
@@ -107,6 +115,8 @@ def _paged_prefill_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])  # causal, per row
+        if SLIDING_WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)  # inside the row's window
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no 0 * inf
@@ -136,6 +146,7 @@ def paged_prefill_attention(
     validate: bool = True,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged cache; returns ``out [T, Hq, D]``.
 
@@ -145,10 +156,13 @@ def paged_prefill_attention(
     ``query_start_loc`` that does not start at 0, end at T and never decrease, a sequence with more new
     tokens than ``seq_len``, and the block-table problems ``paged_attention_decode`` refuses.
     An fp8 cache (``torch.float8_e4m3fn``) is read with its per-tensor ``k_scale``/``v_scale``.
+    ``sliding_window = W``: new token ``i`` (position ``p``) sees only keys ``p - W + 1 .. p``; key tiles behind
+    every query's window are skipped, so their block-table entries may be the null block.
 
     Mirrors: vLLM 0.26's ``unified_attention`` (vllm/v1/attention/ops/triton_unified_attention.py) on a batch
     with prefills, and ``context_attention_fwd`` (vllm/v1/attention/ops/prefix_prefill.py).
     """
+    sliding_window = check_sliding_window(sliding_window)
     num_tokens, num_q_heads, head_dim, num_blocks, block_size, num_kv_heads = check_query_and_cache(
         query,
         key_cache,
@@ -210,6 +224,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
         DOT_PRECISION=dot_precision(query.dtype),
+        SLIDING_WINDOW=sliding_window or 0,
         num_warps=4,
     )
     return out

@@ -28,8 +28,11 @@ import math
 
 import torch
 
+from pagedkv.utils import check_int
+
 __all__ = [
     "attention",
+    "check_sliding_window",
     "gather_kv",
     "make_paged_kv",
     "ref_paged_attention_decode",
@@ -63,21 +66,31 @@ def attention(
     v: torch.Tensor,  # [Lk, Hkv, D]
     scale: float,
     causal_offset: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Dense softmax attention with grouped-query heads; returns ``[Lq, Hq, D]`` in ``q``'s dtype.
 
     Query head ``h`` reads KV head ``h // (Hq // Hkv)`` (vLLM's and Hugging Face's mapping). With
     ``causal_offset = c``, query ``i`` sits at position ``c + i`` and sees keys ``0 .. c + i`` only.
+    With ``sliding_window = W`` as well, it sees only the last ``W`` of those, keys ``c + i - W + 1 .. c + i``
+    (itself included): vLLM 0.26 passes FlashAttention ``window_size = (W - 1, 0)``
+    (``FlashAttentionImpl.__init__``, vllm/v1/attention/backends/flash_attn.py) and transformers masks
+    ``kv_idx > q_idx - W`` (``sliding_window_overlay``, transformers/masking_utils.py).
     """
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     k = k.repeat_interleave(group, dim=1)  # [Lk, Hq, D]
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Lq, Lk]
+    if sliding_window is not None and causal_offset is None:
+        raise ValueError("a sliding window needs the queries' positions: pass causal_offset")
     if causal_offset is not None:
         q_pos = causal_offset + torch.arange(q.shape[0], device=q.device)
         k_pos = torch.arange(k.shape[0], device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]  # [Lq, Lk]: the future
+        if sliding_window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window  # behind the window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -88,6 +101,14 @@ def _compute_dtype(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> tor
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_sliding_window(sliding_window: int | None) -> int | None:
+    """``sliding_window`` as a Python int (``None`` stays ``None``: full attention); ``ValueError`` unless it is
+    ``None`` or an int >= 1."""
+    if sliding_window is None:
+        return None
+    return check_int(sliding_window, "sliding_window", 1, why="or None for full attention")
+
+
 def ref_paged_attention_decode(
     query: torch.Tensor,  # [B, Hq, D]: one new token per sequence
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -96,19 +117,24 @@ def ref_paged_attention_decode(
     seq_lens: torch.Tensor,  # [B] int32: tokens in the cache for each sequence, the new one included
     scale: float | None = None,
     compute_dtype: torch.dtype | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention by gather-then-attend: ``out[b, h] = softmax(q·Kᵀ·scale)·V`` over b's cached tokens.
 
     Returns ``[B, Hq, D]``. Computes in ``compute_dtype`` (float32 for half inputs unless asked; pass
     ``torch.float64`` for the exact reference the tests use) and returns in that dtype, so no rounding is
-    added on the way out. Nothing is modified.
+    added on the way out. With ``sliding_window = W`` the query (at position ``seq_len - 1``) sees only the
+    last ``W`` tokens; the blocks wholly before them are never read, so their table entries may be the null
+    block. Nothing is modified.
     """
+    sliding_window = check_sliding_window(sliding_window)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     cdt = _compute_dtype(query.dtype, compute_dtype)
     out = torch.empty(query.shape, dtype=cdt, device=query.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         k, v = gather_kv(key_cache, value_cache, block_tables[b], seq_len)
-        out[b] = attention(query[b : b + 1].to(cdt), k.to(cdt), v.to(cdt), scale)[0]
+        offset = None if sliding_window is None else seq_len - 1
+        out[b] = attention(query[b : b + 1].to(cdt), k.to(cdt), v.to(cdt), scale, offset, sliding_window)[0]
     return out
 
 
@@ -121,14 +147,17 @@ def ref_paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32: sequence b's queries are query[qsl[b]:qsl[b+1]]
     scale: float | None = None,
     compute_dtype: torch.dtype | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Chunked-prefill attention over a paged cache; returns ``[T, Hq, D]``.
 
     Sequence ``b`` has ``q_len = qsl[b+1] - qsl[b]`` new tokens, the last ``q_len`` of its ``seq_len``
     cached tokens (their K/V were written by ``reshape_and_cache`` first, as in vLLM V1). New token ``i``
     sits at position ``seq_len - q_len + i`` and attends causally: to the cached prefix and to the new
-    tokens up to and including itself. Decode is the case ``q_len == 1``. Nothing is modified.
+    tokens up to and including itself. Decode is the case ``q_len == 1``. With ``sliding_window = W``
+    it sees only the last ``W`` of those (see :func:`attention`). Nothing is modified.
     """
+    sliding_window = check_sliding_window(sliding_window)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     cdt = _compute_dtype(query.dtype, compute_dtype)
     out = torch.empty(query.shape, dtype=cdt, device=query.device)
@@ -138,7 +167,8 @@ def ref_paged_prefill_attention(
         if hi == lo:
             continue
         k, v = gather_kv(key_cache, value_cache, block_tables[b], seq_len)
-        out[lo:hi] = attention(query[lo:hi].to(cdt), k.to(cdt), v.to(cdt), scale, causal_offset=seq_len - (hi - lo))
+        out[lo:hi] = attention(query[lo:hi].to(cdt), k.to(cdt), v.to(cdt), scale, causal_offset=seq_len - (hi - lo),
+                               sliding_window=sliding_window)
     return out
 
 

@@ -53,10 +53,6 @@ class BlockPool:
         self.defer_eviction_events = False
         self.deferred_evictions: list[tuple[int, BlockHash]] = []
 
-    @property
-    def num_blocks(self) -> int:
-        return self.num_gpu_blocks
-
     # --- prefix cache lookups -----------------------------------------------------------------------
     @overload
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None: ...

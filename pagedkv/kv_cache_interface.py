@@ -187,8 +187,7 @@ class KVCacheConfig:
     kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block), got {self.num_blocks!r}")
+        check_int(self.num_blocks, "num_blocks", 1, why="block 0 is the null block")
         if not self.kv_cache_groups:
             raise ValueError("a KVCacheConfig needs at least one KV cache group")
         for g in self.kv_cache_groups:

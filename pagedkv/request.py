@@ -96,6 +96,11 @@ class Request:
         self.lora_id = lora_id
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens scheduled whose step's output has not been taken yet (update_from_output): their KV may still
+        # be being written, so a sliding window frees blocks only up to num_computed_tokens minus these.
+        # 0 whenever each step's output comes back before the next step is scheduled. Mirrors
+        # Request.num_in_flight_tokens in vllm/v1/request.py.
+        self.num_in_flight_tokens = 0
         self.num_preemptions = 0
         # Async scheduling (``AsyncScheduler``): tokens scheduled whose samples have not arrived yet. Always 0
         # under the plain ``Scheduler``. Mirrors ``Request.num_output_placeholders`` (``vllm/v1/request.py``).

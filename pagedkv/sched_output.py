@@ -87,9 +87,10 @@ class SchedulerOutput:
     With several KV cache groups (a hybrid model), ``group_block_tables[r][g]`` is ``r``'s table in group
     ``g`` (block 0, the null block, where a sliding-window group has released a block) and
     ``group_slot_mapping[r][g]`` where each scheduled token's K/V goes in group ``g``'s layers;
-    ``block_tables`` and ``slot_mapping`` hold group 0's. (vLLM's ``NewRequestData.block_ids`` is likewise a
-    tuple with one list per group.) A hand-built output may leave the group fields empty: read them through
-    ``tables_per_group``/``slots_per_group``.
+    ``block_tables`` and ``slot_mapping`` hold group 0's. Both are lab extensions, as ``block_tables`` is
+    (vLLM 0.26's worker keeps the tables; its ``NewRequestData.block_ids`` is a tuple with one list per
+    group). A hand-built output may leave the group fields empty: read them through ``tables_per_group`` and
+    ``slots_per_group``.
     """
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)

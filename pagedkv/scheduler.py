@@ -126,8 +126,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
         self.block_size = kv_cache_manager.block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_running_reqs = max_num_seqs  # vLLM's name
+        self.max_num_running_reqs = max_num_seqs  # vLLM's name for the max_num_seqs cap
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_scheduled_tokens = max_num_batched_tokens  # vLLM's name
         self.preemption_mode = preemption_mode
@@ -331,7 +330,7 @@ class Scheduler:
             return
         manager = self.kv_cache_manager
         while self.waiting and state.token_budget > 0:
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_running_reqs:
                 break
             request = self.waiting.peek_request()
             rid = request.request_id
@@ -449,7 +448,7 @@ class Scheduler:
             step=self.step,
         )
         assert output.total_num_scheduled_tokens <= self.max_num_batched_tokens
-        assert len(self.running) <= self.max_num_seqs
+        assert len(self.running) <= self.max_num_running_reqs
         # Advance AFTER the output is built: the output carries where each chunk starts.
         self._update_after_schedule(output)
         self.finished_req_ids = set()
@@ -472,6 +471,7 @@ class Scheduler:
         (``AsyncScheduler`` adds its placeholders here)."""
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
+            self.requests[rid].num_in_flight_tokens += n  # until its output is taken (update_from_output)
 
     # ------------------------------------------------------------------------------------------------
     # Preemption
@@ -665,8 +665,12 @@ class Scheduler:
             to_apply.append((request, token))
 
         # Validated: now change things.
-        if step is not None:
+        if step is not None:  # an output of schedule() (not built by hand): its tokens are processed now
             self._unconsumed_steps.discard(step)
+            for rid, n in scheduled.items():
+                request = self.requests.get(rid)
+                if request is not None:
+                    request.num_in_flight_tokens -= n  # as vLLM's Scheduler.update_from_output
         new_tokens: dict[str, list[int]] = {}
         for request, token in to_apply:
             kept, stopped = self._update_request_with_output(request, [token])
@@ -774,8 +778,8 @@ class Scheduler:
             raise ValueError(f"duplicate request id {cid!r}")
         if child.status != RequestStatus.WAITING or child.num_computed_tokens != 0:
             raise ValueError(f"child {cid!r} must be a fresh WAITING request")
-        if len(self.running) >= self.max_num_seqs:
-            raise ValueError(f"cannot fork {cid!r}: max_num_seqs={self.max_num_seqs} requests already run")
+        if len(self.running) >= self.max_num_running_reqs:
+            raise ValueError(f"cannot fork {cid!r}: max_num_seqs={self.max_num_running_reqs} requests already run")
         self._check_can_ever_fit(child)
         self.kv_cache_manager.fork(parent, child)  # validates the tokens; raises before any change
         child.status = RequestStatus.RUNNING

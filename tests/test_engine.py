@@ -337,7 +337,7 @@ def test_engine_construction_errors(llama):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
-    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM"):
         LLM(gpt2, num_gpu_blocks=8)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA GPU"):

@@ -23,7 +23,7 @@ def schedule_waiting(scheduler, step):
         return
     manager = scheduler.kv_cache_manager
     while scheduler.waiting and step.token_budget > 0:
-        if len(scheduler.running) >= scheduler.max_num_seqs:
+        if len(scheduler.running) >= scheduler.max_num_running_reqs:
             break
         request = scheduler.waiting.peek_request()
         hits, num_hit = manager.get_computed_blocks(request)
@@ -56,7 +56,7 @@ def waiting_skips_ahead(scheduler, step):  # the seed card's loop: pass over a r
         return
     manager = scheduler.kv_cache_manager
     for request in list(scheduler.waiting):
-        if step.token_budget <= 0 or len(scheduler.running) >= scheduler.max_num_seqs:
+        if step.token_budget <= 0 or len(scheduler.running) >= scheduler.max_num_running_reqs:
             break
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)
@@ -72,7 +72,7 @@ def waiting_skips_ahead(scheduler, step):  # the seed card's loop: pass over a r
 
 def waiting_while_preempting(scheduler, step):
     manager = scheduler.kv_cache_manager
-    while scheduler.waiting and step.token_budget > 0 and len(scheduler.running) < scheduler.max_num_seqs:
+    while scheduler.waiting and step.token_budget > 0 and len(scheduler.running) < scheduler.max_num_running_reqs:
         request = scheduler.waiting.peek_request()
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)
@@ -90,7 +90,7 @@ def waiting_ignores_hits(scheduler, step):
     if step.preempted:
         return
     manager = scheduler.kv_cache_manager
-    while scheduler.waiting and step.token_budget > 0 and len(scheduler.running) < scheduler.max_num_seqs:
+    while scheduler.waiting and step.token_budget > 0 and len(scheduler.running) < scheduler.max_num_running_reqs:
         request = scheduler.waiting.peek_request()
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)
@@ -107,7 +107,7 @@ def waiting_first_chunk_only(scheduler, step):  # the gate before vLLM 0.26: onl
     if step.preempted:
         return
     manager = scheduler.kv_cache_manager
-    while scheduler.waiting and step.token_budget > 0 and len(scheduler.running) < scheduler.max_num_seqs:
+    while scheduler.waiting and step.token_budget > 0 and len(scheduler.running) < scheduler.max_num_running_reqs:
         request = scheduler.waiting.peek_request()
         hits, num_hit = manager.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_hit, step.token_budget)

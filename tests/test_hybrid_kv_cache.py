@@ -506,3 +506,24 @@ def test_scheduler_over_groups_every_step_reads_its_own_window(seed):
         s.update_from_output(out, samples)
     assert not s.has_unfinished_requests()
     assert m.get_num_free_blocks() == num_blocks - 1
+
+
+def test_a_step_in_flight_keeps_the_blocks_its_window_reads():
+    """Two steps scheduled before the first's output comes back (async scheduling): the second must not free
+    blocks the first is still computing with. vLLM frees on the processed-token basis (num_computed_tokens -
+    num_in_flight_tokens); counting the in-flight step as processed would free positions 0-3 here."""
+    m = KVCacheManager(config(20, swa(2, 4)), max_model_len=64)
+    s = Scheduler(m, max_num_seqs=1, max_num_batched_tokens=8)
+    r = Request("r", list(range(16)), max_tokens=2)
+    s.add_request(r)
+    first = s.schedule()  # positions 0-7
+    assert r.num_in_flight_tokens == 8
+    second = s.schedule()  # positions 8-15, while the first step is still running
+    assert second.num_scheduled_tokens == {"r": 8} and r.num_in_flight_tokens == 16
+    assert 0 not in m.get_block_ids("r")  # position 4 reads 1..4: blocks 0-1 are still needed
+    s.update_from_output(first, {})
+    assert r.num_in_flight_tokens == 8
+    s.update_from_output(second, {"r": 5})
+    assert r.num_in_flight_tokens == 0
+    s.schedule()  # the decode: 16 computed, the window of position 16 is 13..16
+    assert m.get_block_ids("r")[:6] == [0] * 6

@@ -116,7 +116,7 @@ class Run:
             self.finished[rid] = self.alive.pop(rid)
         elif r < 0.10:
             s.reset_prefix_cache(reset_running_requests=rng.random() < 0.5)
-        elif r < 0.18 and s.running and len(s.running) < s.max_num_seqs:
+        elif r < 0.18 and s.running and len(s.running) < s.max_num_running_reqs:
             parent = rng.choice(s.running)
             # The child continues the parent's whole sequence (computed or not), with its salt.
             child = self._new_request(list(parent.all_token_ids), parent.cache_salt)

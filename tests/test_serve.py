@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from pagedkv.benchmarks.serve import parse_metrics
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.entrypoints.api_server import bind_socket, build_app, build_engine
 from pagedkv.entrypoints.cli_args import make_arg_parser
@@ -212,6 +213,8 @@ def test_disconnects_abort_and_free_blocks(srv):
                    timeout=0.3)
     snap = idle(srv)
     assert len(snap["free_queue"]) == BLOCKS - 1
+    gauges = parse_metrics(srv.client.get("/metrics").text)
+    assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:kv_cache_usage_perc"] == 0
     assert completion(srv, prompt=[1, 2], max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
@@ -327,3 +330,34 @@ def test_pagedkv_serve_command_answers_the_openai_client(tmp_path):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         out = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4)
         assert out.usage.completion_tokens == 4
+
+
+def test_the_gpu_serve_step_is_planned_and_its_flags_parse(tmp_path):
+    """kernels/device_check.py --with-serve: the prepared GPU run (it cannot run here). Its server flags parse
+    as `pagedkv serve`'s, and its model override is a JSON object."""
+    import shlex
+
+    from pagedkv.kernels import device_check as dc
+
+    from pagedkv.benchmarks.serve import build_parser
+
+    assert "serve-bench" not in dict(dc.plan(dc.parse_args([]), tmp_path))
+    cmd = dict(dc.plan(dc.parse_args(["--with-serve"]), tmp_path))["serve-bench"]
+    bench = build_parser().parse_args(cmd[3:])
+    assert bench.launch == "tiny" and bench.modes == ["paged", "contiguous"]
+    server = make_arg_parser().parse_args(["tiny", *shlex.split(bench.server_args)])
+    assert json.loads(server.hf_overrides)["num_hidden_layers"] == 16
+    assert server.kv_cache_memory_bytes == dc.SERVE_KV_BYTES and server.max_model_len == 2048
+
+
+def test_hf_overrides_and_kv_cache_memory_bytes_size_the_engine():
+    args = make_arg_parser().parse_args(["tiny", "--hf-overrides", '{"num_hidden_layers": 1}', "--max-model-len",
+                                         "64", "--kv-cache-memory-bytes", str(2**20)])
+    engine, _ = build_engine(args)
+    cfg = engine.llm.model.config
+    assert cfg.num_hidden_layers == 1
+    block_bytes = 2 * BLOCK_SIZE * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert engine.llm.num_gpu_blocks == 2**20 // block_bytes
+    for bad in ('[1]', '{"num_hidden_layers": 1'):
+        with pytest.raises(ValueError):
+            build_engine(make_arg_parser().parse_args(["tiny", "--hf-overrides", bad]))

@@ -28,7 +28,9 @@ import contextlib
 import json
 import math
 import os
+import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -393,8 +395,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="save the curves here (PNG)")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine')")
     p.add_argument("--server-args", default="", help="with --launch: more `pagedkv serve` flags, one string "
-                   "(e.g. '--num-gpu-blocks 48 --max-model-len 512')")
+                   "split as a shell would (e.g. '--num-gpu-blocks 48 --max-model-len 512')")
     return p
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def _model_info(base_url: str) -> tuple[str, int]:
@@ -406,6 +417,7 @@ def _model_info(base_url: str) -> tuple[str, int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rates = [float(r) for r in args.rates]
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
 
@@ -425,7 +437,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(format_table([summary]).splitlines()[-1], flush=True)
 
     if args.launch:
-        extra = args.server_args.split()
+        extra = shlex.split(args.server_args)
         for mode in args.modes:
             with launched_server(args.launch, [*extra, "--kv-reservation", mode]) as base:
                 sweep(base, mode)
@@ -434,7 +446,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     report = {
         "benchmark": "serve", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(), "cpu": cpu_model(), "cpu_count": os.cpu_count(), "loadavg_after": load,
+        "commit": git_commit(), "cpu": cpu_model(), "cpu_count": os.cpu_count(), "loadavg_before": load_before,
+        "loadavg_after": load, "python": platform.python_version(), "torch": _version("torch"),
+        "transformers": _version("transformers"),
         "note": args.note, "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
         "servers": meta, "runs": runs,
     }

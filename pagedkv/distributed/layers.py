@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedkv.distributed.parallel_state import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from pagedkv.utils import check_int
 
 
 def divide(numerator: int, denominator: int, what: str = "") -> int:
@@ -35,8 +36,7 @@ def divide(numerator: int, denominator: int, what: str = "") -> int:
 
 
 def _check_tp(tp_size: int, rank: int | None = None) -> None:
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp_size!r}")
+    check_int(tp_size, "tensor_parallel_size", 1)
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < tp_size):
         raise ValueError(f"rank must be an int in 0..{tp_size - 1}, got {rank!r}")
 
@@ -48,8 +48,7 @@ def num_kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
     ``QKVParallelLinear`` asserts the same with ``divide``). Mirrors ``ModelConfig.get_num_kv_heads``
     (``vllm/config/model.py``)."""
     _check_tp(tp_size)
-    if isinstance(total_num_kv_heads, bool) or not isinstance(total_num_kv_heads, int) or total_num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be an int >= 1, got {total_num_kv_heads!r}")
+    check_int(total_num_kv_heads, "num_kv_heads", 1)
     if tp_size >= total_num_kv_heads:
         divide(tp_size, total_num_kv_heads, "tensor_parallel_size")  # each head on the same number of ranks
         return 1

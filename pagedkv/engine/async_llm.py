@@ -320,6 +320,7 @@ class AsyncLLM:
             while True:
                 self._apply_pending()
                 if not self.core.has_unfinished_requests():
+                    self._record_scheduler_stats()  # aborts since the last step: the gauges show them gone
                     self._wake.clear()
                     if not self._pending:
                         await self._wake.wait()

@@ -20,6 +20,7 @@ kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentio
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,9 @@ class AttentionMetadata:
     decode_version: int | None = None  # the Triton decode kernel for decode-only steps (None: its choice)
     # The torch backend's decode groups, built once per step (None: one group of all of decode_req_idx)
     decode_groups: list[DecodeGroup] | None = None
+    # The KV cache group's window when it releases the blocks behind it (a SlidingWindowSpec group: those table
+    # entries are the null block), else None: the layer's own window, if any, is then only a mask
+    sliding_window: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -68,13 +72,31 @@ class DecodeGroup:
     """Decode requests of similar length, attended together in one call by the torch backend."""
 
     tokens: torch.Tensor  # [Bg] int64: the packed index of each request's one new token
-    block_ids: torch.Tensor  # [Bg·W] int64: each request's first W block ids, flattened (null-padded)
+    block_ids: torch.Tensor  # [Bg·W] int64: W block ids per request from its first gathered block (null-padded)
     width: int  # W: blocks gathered per request (enough for the group's longest)
-    visible: torch.Tensor  # [Bg, 1, 1, W·bs] bool: key slot j < the request's seq_len
+    visible: torch.Tensor  # [Bg, 1, 1, W·bs] bool: the slots the request's query sees
+    seq_lens: torch.Tensor | None = None  # [Bg] int64: each request's seq_len
+    start: torch.Tensor | None = None  # [Bg] int64: the position of each request's first gathered slot (0, or
+    # under the window the group was built for, the start of the block holding seq_len - W)
+    sliding_window: int | None = None  # the window ``visible`` applies (None: full attention)
 
     def to(self, device: torch.device | str) -> DecodeGroup:
         """The same group with its tensors on ``device``."""
-        return DecodeGroup(self.tokens.to(device), self.block_ids.to(device), self.width, self.visible.to(device))
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return DecodeGroup(self.tokens.to(device), self.block_ids.to(device), self.width, self.visible.to(device),
+                           move(self.seq_lens), move(self.start), self.sliding_window)
+
+    def visible_in_window(self, sliding_window: int | None) -> torch.Tensor:
+        """The slots seen under ``sliding_window``: ``visible`` when it is the window the group was built for,
+        else ``visible`` narrowed to each request's last ``W`` positions: ``[Bg, 1, 1, W·bs]`` bool."""
+        if sliding_window == self.sliding_window:
+            return self.visible
+        if self.sliding_window is not None or self.seq_lens is None or self.start is None:
+            raise ValueError(f"decode group built for window {self.sliding_window}, attended with {sliding_window}")
+        pos = self.start[:, None] + torch.arange(self.visible.shape[-1], device=self.visible.device)  # [Bg, W·bs]
+        return self.visible & (pos >= (self.seq_lens - sliding_window)[:, None])[:, None, None, :]
 
 
 def make_decode_groups(
@@ -85,10 +107,15 @@ def make_decode_groups(
     block_size: int,
     max_groups: int = 4,
     min_group: int = 8,
+    sliding_window: int | None = None,
 ) -> list[DecodeGroup]:
     """Split the decode requests, sorted by length, into up to ``max_groups`` groups of at least ``min_group``:
     each group is gathered only as wide as its own longest request, so short requests do not pay for the
-    longest one's padding. Built once per step on the host; every layer reuses it."""
+    longest one's padding. Built once per step on the host; every layer of a KV cache group reuses it.
+
+    Under a ``sliding_window`` of ``W`` each request is gathered from the block holding position
+    ``seq_len - W`` on (the ones before are the null block once released), so a sliding layer's decode reads
+    at most ``cdiv(W, bs) + 1`` blocks per request however long the request has grown."""
     order = sorted(decode_req_idx, key=lambda b: seq_lens[b])
     n_groups = max(1, min(max_groups, len(order) // min_group))
     groups = []
@@ -96,12 +123,21 @@ def make_decode_groups(
         members = order[g * len(order) // n_groups : (g + 1) * len(order) // n_groups]
         if not members:
             continue
-        lens = torch.tensor([seq_lens[b] for b in members])
-        width = -(-int(lens.max()) // block_size)
-        block_ids = block_tables[torch.tensor(members), :width].long().reshape(-1)  # [Bg·W]
-        visible = torch.arange(width * block_size)[None, :] < lens[:, None]  # [Bg, W·bs]
+        lens = torch.tensor([seq_lens[b] for b in members])  # [Bg]
+        first = torch.zeros_like(lens) if sliding_window is None else (lens - sliding_window).clamp(min=0) // block_size
+        width = int((-(-lens // block_size) - first).max())
+        cols = first[:, None] + torch.arange(width)[None, :]  # [Bg, W] the logical blocks gathered
+        rows = block_tables[torch.tensor(members)]  # [Bg, max_blocks]
+        inside = cols < rows.shape[1]
+        block_ids = torch.where(inside, rows.gather(1, cols.clamp(max=rows.shape[1] - 1).long()), 0)
+        start = first * block_size  # [Bg]
+        pos = start[:, None] + torch.arange(width * block_size)[None, :]  # [Bg, W·bs]
+        visible = pos < lens[:, None]
+        if sliding_window is not None:
+            visible &= pos >= (lens - sliding_window)[:, None]
         tokens = torch.tensor([query_start_loc[b] for b in members])  # [Bg]
-        groups.append(DecodeGroup(tokens, block_ids, width, visible[:, None, None, :]))
+        groups.append(DecodeGroup(tokens, block_ids.long().reshape(-1), width, visible[:, None, None, :], lens,
+                                  start, sliding_window))
     return groups
 
 
@@ -159,13 +195,16 @@ def torch_paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
 
     Decode requests (one new token) are done in a few groups of similar length: a group's blocks are gathered
     through the block table into a padded ``[Bg, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``.
     Each prefill chunk is done alone, its keys gathered the same way, with a causal mask offset by its cached
-    prefix. The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
+    prefix. Under a ``sliding_window`` of ``W`` a query at position ``p`` sees keys ``p - W + 1 .. p`` only, and
+    a prefill chunk gathers no block wholly behind its first query's window (such blocks may be the null block).
+    The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
     """
     out = torch.empty_like(query)
     bs = key_cache.shape[1]
@@ -173,7 +212,8 @@ def torch_paged_attention(
     groups = meta.decode_groups
     if groups is None and meta.decode_req_idx is not None and meta.decode_req_idx.numel():
         groups = make_decode_groups(meta.decode_req_idx.tolist(), meta.seq_lens.tolist(), meta.block_tables.cpu(),
-                                    meta.query_start_loc.tolist(), bs, max_groups=1)
+                                    meta.query_start_loc.tolist(), bs, max_groups=1,
+                                    sliding_window=meta.sliding_window)
         groups = [g.to(query.device) for g in groups]
     for grp in groups or []:
         n, length = grp.tokens.numel(), grp.width * bs
@@ -182,15 +222,23 @@ def torch_paged_attention(
         # query head h·G + i reads KV head h (transformers' repeat_kv order): a view, no copy of K or V
         q = query.index_select(0, grp.tokens).view(n, hkv, hq // hkv, d)  # [Bg, Hkv, G, D]
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=grp.visible, scale=scale)  # [Bg, Hkv, G, D]
+            q.float(), k.float(), v.float(), attn_mask=grp.visible_in_window(sliding_window),
+            scale=scale)  # [Bg, Hkv, G, D]
         out.index_copy_(0, grp.tokens, o.reshape(n, hq, d).to(out.dtype))
     for b, lo, hi, seq_len in meta.prefill_reqs:
         nblk = -(-seq_len // bs)
-        table = meta.block_tables[b, :nblk].long()
-        k = _gather_blocks(key_cache, table).reshape(1, nblk * bs, hkv, d)[:, :seq_len]  # [1, L, Hkv, D]
-        v = _gather_blocks(value_cache, table).reshape(1, nblk * bs, hkv, d)[:, :seq_len]
-        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
-        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [Lq, L] causal
+        first_q = seq_len - (hi - lo)
+        # under a window, the blocks wholly behind the first query's window are not gathered
+        first_blk = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // bs
+        start = first_blk * bs  # the position of the first gathered key
+        table = meta.block_tables[b, first_blk:nblk].long()
+        k = _gather_blocks(key_cache, table).reshape(1, -1, hkv, d)[:, : seq_len - start]  # [1, L, Hkv, D]
+        v = _gather_blocks(value_cache, table).reshape(1, -1, hkv, d)[:, : seq_len - start]
+        q_pos = torch.arange(first_q, seq_len, device=query.device)
+        k_pos = torch.arange(start, seq_len, device=query.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [Lq, L] causal
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
         out[lo:hi] = _attend(query[None, lo:hi], k, v, visible[None], scale)[0]
     return out
 
@@ -201,6 +249,7 @@ def triton_paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention with the lab's Triton kernels (CUDA): ``paged_attention_decode`` for a decode-only
     step (the one a CUDA graph replays), ``paged_prefill_attention`` for a mixed one (a decode is a chunk of
@@ -210,11 +259,11 @@ def triton_paged_attention(
     if meta.is_decode_only:
         return paged_attention_decode(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-            version=meta.decode_version, validate=False,
+            version=meta.decode_version, validate=False, sliding_window=sliding_window,
         )
     return paged_prefill_attention(
         query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-        max_query_len=meta.max_query_len, validate=False,
+        max_query_len=meta.max_query_len, validate=False, sliding_window=sliding_window,
     )
 
 
@@ -231,11 +280,14 @@ def paged_attention_forward(
     """The function registered as ``"pagedkv"`` in transformers' ``AttentionInterface``.
 
     Writes the layer's new K/V into its paged cache, then attends; returns ``([1, T, Hq, D], None)`` as
-    transformers' attention functions do. Without ``pagedkv_metadata`` in ``kwargs`` (the model called by
+    transformers' attention functions do. ``pagedkv_metadata`` is one :class:`AttentionMetadata`, or with
+    several KV cache groups a dict from layer index to its group's (vLLM's ``attn_metadata[layer_name]``); the
+    layer's ``sliding_window`` is the one transformers passes, and must be its group's when that group
+    releases blocks. Without ``pagedkv_metadata`` in ``kwargs`` (the model called by
     anything but the engine, e.g. ``model.generate``) it falls back to transformers' SDPA, so a model set to
     ``"pagedkv"`` still works everywhere. Mirrors ``FlashAttentionImpl.forward``.
     """
-    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    meta: AttentionMetadata | Mapping[int, AttentionMetadata] | None = kwargs.get(METADATA_KWARG)
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -243,19 +295,27 @@ def paged_attention_forward(
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"the pagedkv attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
+    if isinstance(meta, Mapping):  # several KV cache groups: this layer's group's metadata
+        meta = meta[module.layer_idx]
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     key_cache, value_cache = meta.kv_caches[module.layer_idx]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    # the layer's window, as transformers passes it (Mistral, Qwen2/3, Gemma 3, OLMo 3: None on full layers)
+    window = kwargs.get("sliding_window")
+    if meta.sliding_window is not None and window != meta.sliding_window:
+        # the group released the blocks behind its window: a layer that reads further back would read null blocks
+        raise ValueError(f"layer {module.layer_idx}: transformers attends with sliding_window={window}, but its KV "
+                         f"cache group keeps only a {meta.sliding_window}-token window")
     if meta.backend == "triton":
         from pagedkv.kernels import reshape_and_cache
 
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
-        out = triton_paged_attention(q, key_cache, value_cache, meta, scale)
+        out = triton_paged_attention(q, key_cache, value_cache, meta, scale, window)
     else:
         write_kv_torch(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch_paged_attention(q, key_cache, value_cache, meta, scale)
+        out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window)
     return out[None], None  # [1, T, Hq, D]
 
 

@@ -33,15 +33,28 @@ from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
+from pagedkv.sizing.hybrid import (
+    describe_groups,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+    get_kv_cache_spec,
+)
 from pagedkv.utils import cdiv
 
-#: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE).
+#: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE; the
+#: q/k norms of Qwen3, Gemma 3 and OLMo 3 are the model's own code). Mistral's layers all slide; Qwen2's and
+#: Qwen3's slide where ``config.layer_types`` says ``"sliding_attention"``; Gemma 3 has five sliding layers per
+#: full one, OLMo 3 three. transformers passes each layer's window to the attention function.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
 #: The default swap space (pinned host memory on a GPU): vLLM V0's default, ``EngineArgs.swap_space = 4`` GiB
 #: (vLLM 0.26 has no swapping), so that a large GPU pool does not pin all of the host's memory.
@@ -51,7 +64,8 @@ CPU_KV_CACHE_BYTES = 128 * 2**20
 
 
 def check_architecture(config: Any) -> None:
-    """``ValueError`` naming the supported architectures unless ``config`` is one of them."""
+    """``ValueError`` naming the supported architectures unless ``config`` is one of them (and uses no attention
+    feature the paged attention lacks: logit soft-capping)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         archs = getattr(config, "architectures", None) or [model_type]
@@ -59,6 +73,9 @@ def check_architecture(config: Any) -> None:
             f"unsupported architecture {', '.join(map(str, archs))} (model_type={model_type!r}): the engine serves "
             f"{', '.join(SUPPORTED_ARCHITECTURES.values())}"
         )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attention logit soft-capping (config.attn_logit_softcapping) is not supported: set it to "
+                         "None (Gemma 3's default)")
 
 
 def batch_defaults(device: torch.device) -> tuple[int, int]:
@@ -110,7 +127,7 @@ class _Completion:
 
 
 class LLM:
-    """An offline engine serving a transformers Llama, Qwen2 or Mistral model on the lab's paged KV cache.
+    """An offline engine serving a transformers model of :data:`SUPPORTED_ARCHITECTURES` on the lab's paged KV cache.
 
     ``model``: a Hugging Face id, a local ``save_pretrained`` folder, or a loaded model (used as is; the
     engine never changes its attention setting outside its own forward calls). ``num_gpu_blocks=None``
@@ -179,9 +196,6 @@ class LLM:
             raise ValueError("attn_backend='triton' needs the model on a CUDA device")
 
         limit = getattr(config, "max_position_embeddings", None) or 2048
-        window = getattr(config, "sliding_window", None)
-        if window and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False)):
-            limit = min(limit, window)  # no sliding-window attention here: stay inside the window
         if max_model_len is None:
             max_model_len = limit
         if not _is_int(max_model_len) or not 1 < max_model_len <= limit:
@@ -196,6 +210,10 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.memory_profile = None
+        # lesson 8: one KV cache group per attention type (None: one full-attention group, lessons 2-7's manager;
+        # also under tensor parallelism, where a sliding layer's window is only a mask and every block is kept)
+        self.kv_cache_groups = self._kv_cache_groups() if tensor_parallel_size == 1 else None
+        self.kv_cache_config = None
         if num_gpu_blocks is None and _is_int(kv_cache_memory_bytes) and tensor_parallel_size == 1:
             num_gpu_blocks = max(2, kv_cache_memory_bytes // self._block_bytes())  # vLLM's kv_cache_memory_bytes
         if not isinstance(async_scheduling, bool):
@@ -217,7 +235,14 @@ class LLM:
             if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
                 num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
                     if preemption_mode == "swap" else 0
-            self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching)
+            if self.kv_cache_groups is None:
+                self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size,
+                                                       enable_caching=enable_prefix_caching)
+            else:  # every group's pages in the same pool: block b is page b of each shared tensor
+                self.kv_cache_config = get_kv_cache_config_from_groups(self.kv_cache_groups,
+                                                                       num_gpu_blocks * self._block_bytes())
+                self.kv_cache_manager = KVCacheManager(self.kv_cache_config, enable_caching=enable_prefix_caching,
+                                                       max_model_len=max_model_len)
             # vLLM 0.26: SchedulerConfig.get_scheduler_cls() gives AsyncScheduler when async_scheduling is on
             scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
             self.scheduler = scheduler_cls(
@@ -232,6 +257,7 @@ class LLM:
                 num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
                 use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
                 sampler=Sampler(make_generator(seed, self.device)),
+                kv_cache_config=self.kv_cache_config,
             )
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
@@ -311,8 +337,24 @@ class LLM:
             return frozenset()
         return frozenset([ids] if _is_int(ids) else ids)
 
+    def _kv_cache_groups(self) -> list[KVCacheGroupSpec] | None:
+        """The model's KV cache groups as vLLM 0.26 forms them (``pagedkv.sizing.hybrid.get_kv_cache_groups``:
+        one per attention type, the layers of a type dealt into groups of ``group_size``), or ``None`` when
+        there is one full-attention group (every layer keeps every block: the flat lesson 2-7 manager). An
+        all-sliding model (Mistral) has one sliding-window group; Gemma 3's 5 : 1 layers make six groups of
+        one layer, OLMo 3's 3 : 1 four (``group_size`` is the smaller type's layer count)."""
+        specs = get_kv_cache_spec(self.model.config, self.block_size, next(self.model.parameters()).dtype)
+        groups = get_kv_cache_groups(specs).groups
+        if len(groups) == 1 and isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+            return None
+        return groups
+
     def _block_bytes(self) -> int:
-        """Bytes of one KV block over all layers, K and V, in the model's dtype."""
+        """Bytes of one KV block (K and V, in the model's dtype): over all layers, or with KV cache groups one
+        page in each of the ``group_size`` shared tensors (``get_kv_cache_config_from_groups``)."""
+        if self.kv_cache_groups is not None:
+            group_size = max(len(g.layer_names) for g in self.kv_cache_groups)
+            return self.kv_cache_groups[0].kv_cache_spec.page_size_bytes * group_size
         config = self.model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -344,7 +386,14 @@ class LLM:
                     raise
             else:
                 print(str(self.memory_profile))
-                return int(self.memory_profile.num_gpu_blocks)
+                if self.kv_cache_groups is None:
+                    return int(self.memory_profile.num_gpu_blocks)
+                # the same bytes, in blocks of one page per shared tensor (get_kv_cache_config_from_groups)
+                blocks = max(2, self.memory_profile.available_kv_cache_memory // block_bytes)
+                for line in describe_groups(self.kv_cache_groups):
+                    print(f"KV cache {line}")
+                print(f"# GPU blocks with {len(self.kv_cache_groups)} KV cache groups: {blocks}")
+                return blocks
         blocks = max(2, CPU_KV_CACHE_BYTES // block_bytes)
         concurrency = (blocks - 1) * self.block_size / self.max_model_len
         print(f"KV cache: {CPU_KV_CACHE_BYTES / 2**20:.0f} MiB on {self.device} (no memory profile for this model)")
@@ -399,7 +448,9 @@ class LLM:
                 f"prompt {i} has {prompt_len} tokens: it must be shorter than max_model_len={self.max_model_len} "
                 "(room for at least one new token)"
             )
-        need = cdiv(prompt_len + max_tokens, self.block_size)
+        # with KV cache groups, a sliding-window group holds at most its window's worth (the scheduler's rule)
+        need = (cdiv(prompt_len + max_tokens, self.block_size) if self.kv_cache_config is None
+                else self.kv_cache_manager.max_num_blocks_for(prompt_len + max_tokens))
         if need > self.num_gpu_blocks - 1:
             raise ValueError(
                 f"the KV pool is too small for prompt {i}: {prompt_len} prompt tokens + {max_tokens} new tokens need "

@@ -66,6 +66,7 @@ import torch
 
 from pagedkv.block_table import make_block_table_tensor
 from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
+from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
 
 
@@ -130,6 +131,48 @@ def prepare_inputs(
             inputs.sample_req_ids.append(rid)
             inputs.logits_indices.append(inputs.query_start_loc[-1] - 1)
     return inputs
+
+
+def _layer_index(layer_name: str) -> int:
+    """``model.layers.{i}.self_attn.attn`` -> ``i`` (the names ``pagedkv.sizing.hybrid.get_kv_cache_spec`` gives)."""
+    parts = layer_name.split(".")
+    if len(parts) < 3 or parts[1] != "layers" or not parts[2].isdigit():
+        raise ValueError(f"a KV cache layer name like 'model.layers.3.self_attn.attn', got {layer_name!r}")
+    return int(parts[2])
+
+
+def layer_groups_and_tensors(kv_cache_config: KVCacheConfig | None, num_layers: int) -> tuple[list[int], list[int]]:
+    """For each decoder layer, its KV cache group and the index of the K/V tensor pair it reads and writes.
+    Without a config: one group, a pair per layer. With one: the group that names the layer, and the
+    ``KVCacheTensor`` shared by it (one layer of every group shares each tensor, vLLM's
+    ``get_kv_cache_config_from_groups``). ``ValueError`` unless every layer is in exactly one group and one
+    tensor."""
+    if kv_cache_config is None:
+        return [0] * num_layers, list(range(num_layers))
+    groups: list[int | None] = [None] * num_layers
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        for name in group.layer_names:
+            i = _layer_index(name)
+            if not 0 <= i < num_layers or groups[i] is not None:
+                raise ValueError(f"layer {name!r}: outside the model's {num_layers} layers, or in two groups")
+            groups[i] = g
+    tensors: list[int | None] = [None] * num_layers
+    for t, tensor in enumerate(kv_cache_config.kv_cache_tensors):
+        for name in tensor.shared_by:
+            tensors[_layer_index(name)] = t
+    if None in groups or None in tensors:
+        missing = [i for i in range(num_layers) if groups[i] is None or tensors[i] is None]
+        raise ValueError(f"layers {missing} are in no KV cache group or tensor of the config")
+    return groups, tensors  # type: ignore[return-value]
+
+
+def group_windows(kv_cache_config: KVCacheConfig | None) -> list[int | None]:
+    """Each KV cache group's sliding window when its blocks are released outside it (a ``SlidingWindowSpec``),
+    else ``None`` (full attention: every block kept). One ``None`` without a config."""
+    if kv_cache_config is None:
+        return [None]
+    return [g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None
+            for g in kv_cache_config.kv_cache_groups]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -464,7 +507,13 @@ class ModelRunner:
         sampler: Any = None,
         input_prep: str = "device",
         slot_mapping_impl: str | None = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        """``kv_cache_config`` (lesson 8): the KV cache groups of a hybrid or sliding-window model; the runner then
+        allocates one K and one V tensor per ``KVCacheTensor`` (shared by one layer of every group: a block id
+        names the same page in each) and gives each group's layers that group's block tables. ``None``: one
+        group, every layer its own tensors, every block kept (lessons 2-7). The device block tables hold group 0's
+        tables; the other groups' come from the scheduler output each step."""
         from pagedkv.engine.block_table import BlockTables
         from pagedkv.engine.sampler import Sampler, make_generator
 
@@ -482,12 +531,24 @@ class ModelRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_blocks_per_req = -(-max_model_len // block_size)
         shape = (num_gpu_blocks, block_size, self.num_kv_heads, self.head_dim)
-        # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
-        self.kv_caches = [
+        self.kv_cache_config = kv_cache_config
+        for group in kv_cache_config.kv_cache_groups if kv_cache_config is not None else ():
+            spec = group.kv_cache_spec  # the lab allocates one shape for every group's pages
+            if (spec.block_size, spec.num_kv_heads, spec.head_size) != shape[1:]:
+                raise ValueError(f"KV cache group {group.layer_names[:2]}...: block_size {spec.block_size}, "
+                                 f"{spec.num_kv_heads} KV heads of {spec.head_size}; the runner holds {shape[1:]}")
+        # layer_groups[layer]: the layer's KV cache group; tensor_of[layer]: which K/V tensor pair it uses
+        self.layer_groups, tensor_of = layer_groups_and_tensors(kv_cache_config, self.num_layers)
+        tensors = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.num_layers)
+            for _ in range(max(tensor_of) + 1)
         ]
+        # kv_caches[layer] = (key_cache, value_cache), each [num_blocks, block_size, Hkv, D] (with groups, layers
+        # of different groups share one pair: the same objects)
+        self.kv_caches = [tensors[tensor_of[layer]] for layer in range(self.num_layers)]
+        self._tensor_layers = sorted({tensor_of.index(t) for t in tensor_of})  # one layer per distinct pair
+        self.group_windows = group_windows(kv_cache_config)
         cpu_shape = (num_cpu_blocks, block_size, self.num_kv_heads, self.head_dim)
         pin = self.device.type == "cuda"
         self.cpu_kv_caches = [
@@ -513,6 +574,11 @@ class ModelRunner:
         self.sampling_params: dict[str, Any] = {}
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
+        if use_cuda_graph and len(self.group_windows) > 1:
+            # the graphs' buffers hold one block table per request; several groups need one each (not built)
+            warnings.warn("CUDA graphs are captured for one KV cache group; this model has "
+                          f"{len(self.group_windows)}: decode runs eagerly", stacklevel=2)
+            use_cuda_graph = False
         if use_cuda_graph:
             try:
                 graph_runner = CUDAGraphRunner(self.model, self.kv_caches, block_size, self.max_blocks_per_req,
@@ -530,8 +596,8 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None  # [S, V]: the latest step's sampled rows (for lessons)
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of the GPU-side KV cache (all layers, K and V)."""
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        """Bytes of the GPU-side KV cache (all layers, K and V; a tensor shared by several layers counted once)."""
+        return sum(self.kv_caches[i][0].numel() * self.kv_caches[i][0].element_size() * 2 for i in self._tensor_layers)
 
     # ------------------------------------------------------------------------------------------------
     # The runner's request states
@@ -602,7 +668,7 @@ class ModelRunner:
                 raise ValueError("the step swaps blocks but the runner has no CPU blocks (num_cpu_blocks=0)")
             src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long)
             dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)
-            for layer in range(self.num_layers):
+            for layer in self._tensor_layers:  # every distinct tensor once (groups share them)
                 for which in (0, 1):
                     src = (self.kv_caches if src_gpu else self.cpu_kv_caches)[layer][which]
                     dst = (self.kv_caches if dst_gpu else self.cpu_kv_caches)[layer][which]
@@ -689,18 +755,28 @@ class ModelRunner:
             batch.input_ids[rows] = self.last_sampled_tokens[src]
         return batch
 
-    def build_metadata(self, batch: InputBatch) -> AttentionMetadata:
-        """The step's :class:`AttentionMetadata` on the runner's device (the torch backend's split of the batch
-        from host ints). Mirrors ``FlashAttentionMetadataBuilder.build``."""
+    def build_metadata(self, batch: InputBatch, group: int = 0,
+                       scheduler_output: SchedulerOutput | None = None) -> AttentionMetadata:
+        """The step's :class:`AttentionMetadata` for KV cache group ``group`` on the runner's device: group 0's
+        block tables and slot mapping from the device batch, another group's from ``scheduler_output``; the torch
+        backend's split of the batch from host ints. Mirrors ``FlashAttentionMetadataBuilder.build``, which vLLM
+        calls once per group with that group's ``CommonAttentionMetadata``."""
         dev = self.device
         qsl = batch.query_start_loc_host
         seq_lens = batch.seq_lens_host
         b_count = len(batch.req_ids)
+        tables, slot_mapping = batch.block_tables, batch.slot_mapping
+        if scheduler_output is not None and group > 0:
+            tables = make_block_table_tensor(
+                [scheduler_output.tables_per_group(r)[group] for r in batch.req_ids]).to(dev)  # [B, W]
+            slot_mapping = torch.tensor([s for r in batch.req_ids for s in scheduler_output.slots_per_group(r)[group]],
+                                        dtype=torch.long, device=dev)
+        window = self.group_windows[group]
         decodes = [b for b in range(b_count) if qsl[b + 1] - qsl[b] == 1]
         prefills = [(b, qsl[b], qsl[b + 1], seq_lens[b]) for b in range(b_count) if qsl[b + 1] - qsl[b] > 1]
         return AttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables,
+            slot_mapping=slot_mapping,
+            block_tables=tables,
             seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc,
             max_query_len=batch.max_query_len,
@@ -710,9 +786,21 @@ class ModelRunner:
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
             decode_groups=None if self.backend == "triton" or not decodes else [
-                g.to(dev) for g in make_decode_groups(decodes, seq_lens, batch.block_tables, qsl, self.block_size)
+                g.to(dev) for g in make_decode_groups(decodes, seq_lens, tables, qsl, self.block_size,
+                                                      sliding_window=window)
             ],
+            sliding_window=window,
         )
+
+    def build_layer_metadata(self, inputs: InputBatch,
+                             scheduler_output: SchedulerOutput) -> AttentionMetadata | dict[int, AttentionMetadata]:
+        """What the step passes to attention: one :class:`AttentionMetadata`, or with several KV cache groups a
+        dict from layer index to its group's (the layers of a group share one object). Mirrors
+        ``GPUModelRunner._build_attention_metadata``, which returns a dict from layer name to metadata."""
+        if len(self.group_windows) == 1:
+            return self.build_metadata(inputs)
+        per_group = [self.build_metadata(inputs, g, scheduler_output) for g in range(len(self.group_windows))]
+        return {layer: per_group[g] for layer, g in enumerate(self.layer_groups)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on the sampled positions, ``hidden [S, H]`` -> ``[S, V]``, written into one buffer kept
@@ -733,6 +821,9 @@ class ModelRunner:
         out = torch.mm(hidden, head.weight.t(), out=self._logits[:s])  # [S, V]
         if getattr(head, "bias", None) is not None:
             out += head.bias
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap is not None:  # Gemma's cap * tanh(logits / cap): LogitsProcessor(soft_cap=...) in vLLM's gemma3.py
+            out.div_(cap).tanh_().mul_(cap)
         return out
 
     # ------------------------------------------------------------------------------------------------
@@ -768,7 +859,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.run(batch)
         else:
-            meta = self.build_metadata(batch)
+            meta = self.build_layer_metadata(batch, so)
             with attn_implementation(self.model, ATTN_IMPLEMENTATION):
                 hidden = self.model.base_model(
                     input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False,

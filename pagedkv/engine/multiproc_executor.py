@@ -223,6 +223,9 @@ class MultiprocExecutor:
     Use :meth:`shutdown` (or ``with``) to stop the workers; they also stop when this object is collected and
     when the engine's process exits or dies."""
 
+    #: Steps that may be in flight at once (``EngineCore.step_with_batch_queue``): 2 under async scheduling.
+    max_concurrent_batches = 1
+
     def __init__(self, model: torch.nn.Module, tensor_parallel_size: int, device: str = "cpu") -> None:
         from pagedkv.engine.worker import serialize_model
 
@@ -373,7 +376,13 @@ class MultiprocExecutor:
         if len({s[0] for s in shapes}) != 1:
             self._fail(f"the ranks allocated different block counts: {shapes}")
         self.kv_cache_shapes = shapes
+        self._kv_cache_bytes = self.collective_rpc("kv_cache_bytes")
         return shapes
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of one rank's KV cache (all layers, K and V): what one GPU gives the cache. Every rank holds
+        as much (the same blocks, its share of the heads)."""
+        return int(self._kv_cache_bytes[0])
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent). Mirrors ``MultiprocExecutor.shutdown``."""

@@ -508,6 +508,7 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
         model, tokenizer = args.model, None
     llm = LLM(model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
               preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
@@ -519,10 +520,11 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
 
 
 def reserve_contiguous(llm: Any) -> None:
-    """Switch a fresh engine to contiguous ``max_model_len`` reservation: the same pool and scheduler with
-    lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager` (first fit, ``ceil(max_model_len /
-    block_size)`` blocks per request, reserved at admission), so that paged and contiguous differ in the
-    allocation rule alone."""
+    """Switch a fresh engine to contiguous ``max_model_len`` reservation: the same pool and scheduler (its own
+    class, so an ``AsyncScheduler`` stays one) with lesson 4's :class:`~pagedkv.sim.baseline.ContiguousKVCacheManager`
+    (first fit, ``ceil(max_model_len / block_size)`` blocks per request, reserved at admission), so that paged and
+    contiguous differ in the allocation rule alone. The engine core, where there is one, steps the new
+    scheduler."""
     from pagedkv.sim.baseline import ContiguousKVCacheManager
 
     old = llm.scheduler
@@ -530,9 +532,11 @@ def reserve_contiguous(llm: Any) -> None:
         raise ValueError("switch to contiguous reservation before any request is added")
     manager = ContiguousKVCacheManager(llm.num_gpu_blocks, llm.block_size, llm.max_model_len)
     llm.kv_cache_manager = manager
-    llm.scheduler = type(old)(manager, old.max_num_seqs, old.max_num_batched_tokens,  # AsyncScheduler or Scheduler
+    llm.scheduler = type(old)(manager, old.max_num_running_reqs, old.max_num_batched_tokens,
                               preemption_mode=old.preemption_mode, num_cpu_blocks=old.cpu_block_pool.num_blocks)
-    llm.engine_core.scheduler = llm.scheduler  # the engine core steps the scheduler it holds
+    core = getattr(llm, "engine_core", None)
+    if core is not None:
+        core.scheduler = llm.scheduler
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

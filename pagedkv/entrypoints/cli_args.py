@@ -22,6 +22,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--num-gpu-blocks-override", "--num-gpu-blocks", dest="num_gpu_blocks", type=int, default=None,
                    help="KV pool size in blocks (default: profiled, as lesson 5)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV pool size in bytes (blocks = bytes // one block over all layers), instead of profiling")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -247,13 +247,19 @@ def get_kv_cache_config_from_groups(groups: list[KVCacheGroupSpec], available_me
     group; ``num_blocks = available_memory // page_size // group_size``. Mirrors
     ``get_kv_cache_config_from_groups`` (its general case) and ``get_num_blocks``."""
     group_size = max(len(g.layer_names) for g in groups)
+    num_blocks = max(0, int(available_memory // _uniform_page_size(groups) // group_size))
+    return _config_with_tensors(groups, max(num_blocks, 1))
+
+
+def _config_with_tensors(groups: list[KVCacheGroupSpec], num_blocks: int) -> KVCacheConfig:
+    """``num_blocks`` blocks, and ``group_size`` tensors, tensor ``i`` shared by layer ``i`` of every group."""
     page_size = _uniform_page_size(groups)
-    num_blocks = max(0, int(available_memory // page_size // group_size))
+    group_size = max(len(g.layer_names) for g in groups)
     tensors = [
         KVCacheTensor(page_size * num_blocks, [g.layer_names[i] for g in groups if i < len(g.layer_names)])
         for i in range(group_size)
     ]
-    return KVCacheConfig(max(num_blocks, 1), tensors, groups)
+    return KVCacheConfig(num_blocks, tensors, groups)
 
 
 def max_memory_usage_bytes_from_groups(
@@ -409,15 +415,10 @@ def make_kv_cache_config(
     for a model of one attention type. Different page sizes are unified by scaling block sizes, which the
     lab's manager refuses (``ValueError``): give such a model one head size, or
     ``disable_hybrid_kv_cache_manager``."""
-    groups = get_kv_cache_groups(get_kv_cache_spec(config, block_size, kv_cache_dtype), disable_hybrid_kv_cache_manager)
-    num_blocks = check_int(num_blocks, "num_blocks", 1)
-    page = _uniform_page_size(groups.groups)
-    group_size = max(len(g.layer_names) for g in groups.groups)
-    tensors = [
-        KVCacheTensor(page * num_blocks, [g.layer_names[i] for g in groups.groups if i < len(g.layer_names)])
-        for i in range(group_size)
-    ]
-    return KVCacheConfig(num_blocks, tensors, groups.groups)
+    grouping = get_kv_cache_groups(
+        get_kv_cache_spec(config, block_size, kv_cache_dtype), disable_hybrid_kv_cache_manager
+    )
+    return _config_with_tensors(grouping.groups, check_int(num_blocks, "num_blocks", 1))
 
 
 def layer_to_group(kv_cache_config: KVCacheConfig) -> dict[str, int]:

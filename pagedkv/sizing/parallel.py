@@ -40,6 +40,7 @@ from pagedkv.sizing import (
     num_parameters,
     resolve_kv_cache_dtype,
 )
+from pagedkv.utils import check_int
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -80,8 +81,7 @@ def kv_page_bytes_per_rank(config: Any, tp_size: int, block_size: int = 16,
     for a dense model; ``block_size · (kv_lora_rank + qk_rope_head_dim) · bytes`` for MLA, whatever ``tp``
     (``MLAAttentionSpec.real_page_size_bytes``, one latent, no K/V pair, on every rank)."""
     _check_tp(tp_size)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    block_size = check_int(block_size, "block_size", 1)
     if is_mla(config):
         dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_shape_dtype(config))
         return block_size * mla_head_size(config) * dtype.itemsize
@@ -185,8 +185,10 @@ def unify_num_blocks(per_rank_blocks: Sequence[int]) -> int:
     exist on every rank). Mirrors the last step of ``get_kv_cache_configs`` (``vllm/v1/core/kv_cache_utils.py``,
     which once lived in ``unify_kv_cache_configs``). ``ValueError`` on an empty list or a count below 0."""
     counts = list(per_rank_blocks)
-    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+    if not counts:
         raise ValueError(f"give each rank's block count (ints >= 0), got {per_rank_blocks!r}")
+    for c in counts:
+        check_int(c, "each rank's block count", 0)
     return min(counts)
 
 

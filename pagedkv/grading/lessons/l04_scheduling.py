@@ -151,10 +151,11 @@ class PluggableScheduler(Scheduler):
         if self.schedule_waiting_fn is None:
             return super()._schedule_waiting(state)
         self.schedule_waiting_fn(self, StepView(self, state))
-        if len(self.running) > self.max_num_seqs:
+        if len(self.running) > self.max_num_running_reqs:
             raise ValueError(
                 f"after schedule_waiting, {len(self.running)} requests are running but max_num_seqs is "
-                f"{self.max_num_seqs}: stop admitting when len(scheduler.running) reaches scheduler.max_num_seqs"
+                f"{self.max_num_running_reqs}: stop admitting when len(scheduler.running) reaches "
+                "scheduler.max_num_running_reqs"
             )
 
     def _select_victim(self) -> Request:
@@ -282,10 +283,10 @@ def _admission_diagnosis(step: int, extra: str, ref: Scheduler, ref_out, mine_be
             "(check step.preempted first)"
         )
     waiting_now = _ids(ref.waiting)
-    if len(ref.running) >= ref.max_num_seqs:
+    if len(ref.running) >= ref.max_num_running_reqs:
         return (
-            f"step {step}: your scheduler admitted {extra!r} although max_num_seqs={ref.max_num_seqs} requests "
-            "were already running: stop when len(scheduler.running) reaches scheduler.max_num_seqs"
+            f"step {step}: your scheduler admitted {extra!r} although max_num_seqs={ref.max_num_running_reqs} "
+            "requests were already running: stop when len(scheduler.running) reaches scheduler.max_num_running_reqs"
         )
     ahead = [r for r in mine_before_waiting if r in waiting_now and r != extra]
     if ahead and mine_before_waiting.index(ahead[0]) < mine_before_waiting.index(extra):

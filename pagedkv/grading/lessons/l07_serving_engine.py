@@ -15,7 +15,6 @@ import copy
 import random
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,6 +23,7 @@ from pagedkv.attention import make_paged_kv
 from pagedkv.engine import model_runner as runner_module
 from pagedkv.engine.attention import AttentionMetadata, paged_attention_forward
 from pagedkv.engine.model_runner import prepare_inputs
+from pagedkv.engine.tiny_models import TINY_CONFIG, seeded_tiny_model  # the lesson's tiny model, shared
 from pagedkv.grading.checks import describe, fail, require_function, run
 from pagedkv.scheduler import Scheduler
 
@@ -445,26 +445,6 @@ def check_attention_hidden(fn) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # End to end
 # ---------------------------------------------------------------------------------------------------------
-#: The lesson's tiny model: 2 layers, hidden 64, GQA 4/2, no EOS token (the engine's tests build their Qwen2 and
-#: Mistral models from it too).
-TINY_CONFIG: dict[str, Any] = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, eos_token_id=None, bos_token_id=None,
-    pad_token_id=0,
-)
-
-
-def seeded_tiny_model(config_cls: type, model_cls: type, seed: int = 0):
-    """A ``model_cls`` of :data:`TINY_CONFIG` with seeded random weights, eager attention and no EOS."""
-    config = config_cls(**TINY_CONFIG)
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    model.set_attn_implementation("eager")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def tiny_llama(seed: int = 0):
     """The lesson's tiny Llama (:data:`TINY_CONFIG`), seeded, eager attention, no EOS."""
     from transformers import LlamaConfig, LlamaForCausalLM
