@@ -251,7 +251,7 @@ class LLM:
             )
             if self.executor is not None:  # lesson 10: every rank allocates its shard of the same pool
                 self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks, block_size, max_model_len,
-                                               self.attn_backend, max_num_seqs)
+                                               self.attn_backend, max_num_seqs, seed)
             self.runner = self.executor or ModelRunner(
                 self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
                 num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
