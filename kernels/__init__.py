@@ -5,6 +5,7 @@ Public API (see docs/design.md):
     paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale=None, ...)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     paged_prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, ...)
+    compute_slot_mappings(block_tables, idx_mapping, query_start_loc, positions, block_size)  # Model Runner V2
 
 KV layout: two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` (fp16, bf16, fp32, or fp8 e4m3 with
 per-tensor scales). This is the lab's choice, for clarity: vLLM 0.26's FlashAttention backend keeps one tensor per
@@ -42,12 +43,14 @@ from .decode import (  # noqa: E402
 )
 from .dispatch import DecodeConfig, choose_decode_config  # noqa: E402
 from .prefill import paged_prefill_attention  # noqa: E402
+from .slot_mapping import compute_slot_mappings  # noqa: E402
 
 __all__ = [
     "DECODE_VERSIONS",
     "DecodeConfig",
     "choose_decode_config",
     "choose_num_splits",
+    "compute_slot_mappings",
     "decode_config",
     "paged_attention_decode",
     "paged_attention_decode_v1",

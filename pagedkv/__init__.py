@@ -24,10 +24,15 @@ def __getattr__(name: str):
         from pagedkv import scheduler
 
         return getattr(scheduler, name)
+    if name == "AsyncScheduler":
+        from pagedkv.async_scheduler import AsyncScheduler
+
+        return AsyncScheduler
     raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
 
 
 __all__ = [
+    "AsyncScheduler",
     "BlockPool",
     "EventTrace",
     "FreeKVCacheBlockQueue",

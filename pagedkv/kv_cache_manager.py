@@ -404,6 +404,14 @@ class KVCacheManager:
             pool.record_eviction(block_id, block_hash, request_id)
         pool.deferred_evictions.clear()
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter in the prefix cache the request's blocks that are full once ``num_computed_tokens`` tokens are
+        computed (only blocks of known tokens: capped at ``request.num_tokens``). The async scheduler calls it when
+        a sample arrives, since the block holding it could not be hashed when it was allocated. Mirrors
+        ``KVCacheManager.cache_blocks``."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Enter the request's blocks that are full once ``num_tokens`` tokens are computed."""
         rid = request.request_id

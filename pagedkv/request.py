@@ -9,6 +9,7 @@ import enum
 import itertools
 import operator
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pagedkv.kv_cache_utils import BlockHash
 from pagedkv.utils import check_int
@@ -73,6 +74,7 @@ class Request:
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
         lora_id: int | None = None,
+        sampling_params: Any = None,
     ) -> None:
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)) or request_id == "":
             raise ValueError(f"request_id must be a non-empty str (or an int), got {request_id!r}")
@@ -100,6 +102,14 @@ class Request:
         # Request.num_in_flight_tokens in vllm/v1/request.py.
         self.num_in_flight_tokens = 0
         self.num_preemptions = 0
+        # Async scheduling (``AsyncScheduler``): tokens scheduled whose samples have not arrived yet. Always 0
+        # under the plain ``Scheduler``. Mirrors ``Request.num_output_placeholders`` (``vllm/v1/request.py``).
+        self.num_output_placeholders = 0
+        # Samples still in flight when ``reset_prefix_cache`` force-preempted it: dropped when they arrive.
+        self.async_tokens_to_discard = 0
+        # The engine's sampling parameters, carried to the model runner in ``NewRequestData`` (the scheduler
+        # never reads them). Mirrors ``Request.sampling_params``.
+        self.sampling_params = sampling_params
         # Hashes of the request's full blocks, extended by the KV cache manager as blocks fill up.
         self.block_hashes: list[BlockHash] = []
         self.block_hasher_key: tuple[object, ...] | None = None  # (block_size, hash_fn) they were made with

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ReqIdList(list):
@@ -50,6 +51,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     block_ids: list[int]  # its whole block table after this step's allocation
     num_computed_tokens: int  # prefix-cache hit length: the first scheduled position
+    sampling_params: Any = None  # the request's SamplingParams, for the runner's sampler (None: greedy)
 
 
 @dataclass
@@ -61,6 +63,10 @@ class CachedRequestData:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks added to each table this step
     num_computed_tokens: list[int] = field(default_factory=list)  # first scheduled position of each
+    # Every token of each resumed request (prompt and outputs): the runner dropped its state at preemption and
+    # rebuilds it from these. vLLM 0.26's ``CachedRequestData.all_token_ids`` (V1 runner); Model Runner V2 gets
+    # them as ``NewRequestData.prefill_token_ids`` instead (resumed requests travel as new ones there).
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -269,7 +269,8 @@ class Scheduler:
         return self._make_output(state)
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new = request.num_tokens - num_computed_tokens
+        # Placeholders (async scheduling) count as tokens: a decode is scheduled before its input is sampled.
+        num_new = request.num_tokens + request.num_output_placeholders - num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, token_budget)
@@ -280,6 +281,15 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and state.token_budget > 0:
             request = self.running[req_index]
+            if (
+                request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Async scheduling: the step in flight already reaches max_tokens, so no step is scheduled
+                # for a token that could never be kept (vLLM's check, same place).
+                req_index += 1
+                continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, state.token_budget)
             if num_new <= 0:
                 req_index += 1
@@ -403,7 +413,7 @@ class Scheduler:
             block_tables[rid] = tables[0]
             slot_mapping[rid] = group_slot_mapping[rid][0]
             starts[rid] = start
-            if start + n < req.num_tokens:
+            if start + n < req.num_tokens + req.num_output_placeholders:
                 partial.add(rid)
         copies = [pair for pairs in state.copies.values() for pair in pairs]
         cached = CachedRequestData()
@@ -412,6 +422,7 @@ class Scheduler:
             cached.new_block_ids.append(state.new_block_ids[req.request_id])
             cached.num_computed_tokens.append(starts[req.request_id])
         cached.resumed_req_ids = {r.request_id for r in state.scheduled_resumed}
+        cached.all_token_ids = {r.request_id: list(r.all_token_ids) for r in state.scheduled_resumed}
         output = SchedulerOutput(
             num_scheduled_tokens=dict(state.num_scheduled_tokens),
             total_num_scheduled_tokens=sum(state.num_scheduled_tokens.values()),
@@ -427,7 +438,8 @@ class Scheduler:
             partial_prefill_req_ids=partial,
             scheduled_new_reqs=[
                 NewRequestData(
-                    r.request_id, list(r.prompt_token_ids), list(block_tables[r.request_id]), starts[r.request_id]
+                    r.request_id, list(r.prompt_token_ids), list(block_tables[r.request_id]), starts[r.request_id],
+                    r.sampling_params,
                 )
                 for r in state.scheduled_new
             ],
@@ -438,9 +450,7 @@ class Scheduler:
         assert output.total_num_scheduled_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_running_reqs
         # Advance AFTER the output is built: the output carries where each chunk starts.
-        for rid, n in state.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
-            self.requests[rid].num_in_flight_tokens += n  # until its output is taken (update_from_output)
+        self._update_after_schedule(output)
         self.finished_req_ids = set()
         self._unconsumed_steps.add(self.step)
         self._record(
@@ -454,6 +464,14 @@ class Scheduler:
         )
         self.step += 1
         return output
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Advance every scheduled request's ``num_computed_tokens`` by its scheduled count, so that the next
+        step could be scheduled before this one's samples arrive. Mirrors ``Scheduler._update_after_schedule``
+        (``AsyncScheduler`` adds its placeholders here)."""
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+            self.requests[rid].num_in_flight_tokens += n  # until its output is taken (update_from_output)
 
     # ------------------------------------------------------------------------------------------------
     # Preemption
@@ -655,13 +673,30 @@ class Scheduler:
                     request.num_in_flight_tokens -= n  # as vLLM's Scheduler.update_from_output
         new_tokens: dict[str, list[int]] = {}
         for request, token in to_apply:
-            request.append_output_token_ids(token)
-            new_tokens[request.request_id] = [token]
-            if request.eos_token_id is not None and token == request.eos_token_id:
-                self._finish_request(request, RequestStatus.FINISHED_STOPPED)
-            elif request.num_output_tokens >= request.max_tokens:
-                self._finish_request(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+            kept, stopped = self._update_request_with_output(request, [token])
+            if kept:
+                new_tokens[request.request_id] = kept
+            if stopped is not None:
+                self._finish_request(request, stopped)
         return new_tokens
+
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append the step's sampled token(s) to ``request`` and check for a stop: its ``eos_token_id``
+        (``FINISHED_STOPPED``) or ``max_tokens`` (``FINISHED_LENGTH_CAPPED``). Returns the tokens kept and the
+        finished status (``None``: it goes on); the caller frees a finished request. Mirrors
+        ``Scheduler._update_request_with_output`` and ``check_stop`` (``vllm/v1/core/sched/utils.py``)."""
+        status = None
+        for token in new_token_ids:
+            request.append_output_token_ids(token)
+            if request.eos_token_id is not None and token == request.eos_token_id:
+                status = RequestStatus.FINISHED_STOPPED
+            elif request.num_output_tokens >= request.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if status is not None:
+                break
+        return list(new_token_ids), status
 
     # ------------------------------------------------------------------------------------------------
     # Finishing

@@ -220,3 +220,29 @@ def test_every_try_it_cell_catches_a_wrong_answer(name: str) -> None:
             if used:
                 unguarded.append((n, sorted(used), ast.unparse(stmt).splitlines()[0]))
     assert not unguarded, unguarded
+
+
+def test_a_set_is_picked_by_its_number_with_or_without_the_zero(tmp_path) -> None:
+    from pagedkv.grading.build import find_sources
+
+    folder = tmp_path / "grading" / "source"
+    folder.mkdir(parents=True)
+    for name in ("01_fragmentation", "08_hybrid_models", "10_tensor_parallelism"):
+        (folder / f"{name}.ipynb").write_text("{}")
+    picked = {n: [p.stem for p in find_sources(tmp_path, [n])] for n in ("8", "08", "08_hybrid_models", "1", "10")}
+    assert picked == {"8": ["08_hybrid_models"], "08": ["08_hybrid_models"], "08_hybrid_models": ["08_hybrid_models"],
+                      "1": ["01_fragmentation"], "10": ["10_tensor_parallelism"]}
+
+
+def test_an_unknown_set_name_lists_the_sets_that_exist(tmp_path, capsys) -> None:
+    import pagedkv.cli as cli
+
+    folder = tmp_path / "grading" / "source"
+    folder.mkdir(parents=True)
+    for name in ("01_fragmentation", "08_hybrid_models"):
+        (folder / f"{name}.ipynb").write_text("{}")
+    assert cli.main(["build-exercises", "--root", str(tmp_path), "--check", "8", "88", "hybrid"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("pagedkv build-exercises: no exercise source named 88, hybrid in grading/source/ "
+                           "(the sets: 01_fragmentation, 08_hybrid_models)")
+    assert not any((tmp_path / d).exists() for d in ("exercises", "solutions")), "a refused build wrote nothing"

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from source_notebook import SourceNotebook, stub
 
+from pagedkv.grading.checks import STUB_NOTE
+
 SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "08_hybrid_models.ipynb"
 NB = SourceNotebook(SOURCE)
 QUESTIONS = ["skipped_tokens", "remove_skipped", "sliding_hit", "max_blocks", "group_layers"]
@@ -33,6 +35,8 @@ def test_solution_passes_and_stub_fails_every_case() -> None:
     assert not [r for r in stubbed if r[2]], "the untouched stub passes a case"
     assert all(msg for *_, msg in stubbed)
     assert any("still the stub" in msg for q, _, _, msg in stubbed if q == "remove_skipped")
+    for q in ("skipped_tokens", "sliding_hit", "max_blocks", "group_layers"):  # the returning exercises: one note
+        assert all(STUB_NOTE in msg for qq, _, _, msg in stubbed if qq == q), q
     for q in QUESTIONS:
         assert {h for qq, h, _, _ in results if qq == q} == {False, True}, f"{q} needs public and hidden cases"
 
@@ -122,3 +126,12 @@ def test_grouping_in_chunks_is_named() -> None:
     r = _wrong("group_layers", "    if max(sizes) < group_size * 1.5:\n        group_size = max(sizes)\n", "")
     passed, total, first = _points(r, "group_layers")
     assert passed < total and "pad" in first
+
+
+def test_one_group_per_layer_of_a_one_type_model_gets_the_one_type_hint() -> None:
+    """All-full layers: the hint says one type is one group, not that two types' counts are close."""
+    wrong = "def group_layers(layer_types):\n    return [[i] for i in range(len(layer_types))]\n"
+    passed, total, first = _points(NB.grade({"group_layers": wrong}, only={"group_layers"}), "group_layers")
+    assert passed == 0 and "['full_attention', 'full_attention', 'full_attention', 'full_attention']" in first
+    assert "one attention type is one group" in first and "_get_kv_cache_groups_uniform_spec" in first
+    assert "close" not in first and "padding" not in first

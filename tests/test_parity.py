@@ -37,7 +37,7 @@ def library_report() -> ParityReport:
         pytest.skip(f"vLLM 0.26's sources are unavailable: {reason}")
     from pagedkv.parity.runner import run
 
-    report = run([2, 3, 4], 20, log=lambda _msg: None)
+    report = run([2, 3, 4, 7], 20, log=lambda _msg: None)
     if report.skipped is not None:
         pytest.skip(f"vLLM 0.26's side could not run: {report.skipped}")
     return report
@@ -49,10 +49,32 @@ def test_the_library_agrees_with_vllm_on_every_driver(library_report):
         ("manager", False),
         ("manager", True),
         ("scheduler", None),
+        ("async_scheduler", None),
     ]
     assert report.ok, str(report)
     assert all(d.seeds_run == d.seeds_agreeing == 20 for d in report.drivers)
-    assert str(report).count("agrees with vLLM 0.26 on 20 random workloads") == 3
+    assert str(report).count("agrees with vLLM 0.26 on 20 random workloads") == 4
+
+
+def test_the_async_driver_reaches_the_placeholder_rules():
+    """The async workloads preempt requests whose step is in flight and stop requests (EOS) with a step in flight,
+    whose sample is then discarded: the cases where placeholders matter (no vLLM needed to see it)."""
+    from pagedkv.parity import workloads
+    from pagedkv.parity.lab_side import LabAsyncSchedulerSide
+
+    preempted_in_flight = discarded = 0
+    for seed in range(20):
+        cfg = workloads.scheduler_config(seed)
+        seen_finished: set[str] = set()
+        for entry in workloads.run_async_scheduler(LabAsyncSchedulerSide(cfg), seed, cfg):
+            sched, update = entry["obs"].get("schedule"), entry["obs"].get("update")
+            assert "error" not in (sched or {}) and "error" not in (update or {})
+            if sched:
+                preempted_in_flight += sum(sched["placeholders"][r] > 0 for r in sched["preempted"])
+            if update:
+                discarded += len(seen_finished & set(update["finished"]))  # a batch updated after it stopped
+                seen_finished |= set(update["finished"])
+    assert preempted_in_flight >= 5 and discarded >= 5
 
 
 def test_a_planted_bug_is_reported_at_its_first_diverging_step(library_report):

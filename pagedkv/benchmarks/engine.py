@@ -82,11 +82,13 @@ class BenchConfig:
     @classmethod
     def gpu(cls) -> BenchConfig:
         """The prepared GPU run: Llama-3.2-1B's shape (2048 hidden, 16 layers, 32/8 heads), bf16, 256 prompts.
-        ``hf_generate`` (one prompt at a time) is left out: it alone would take most of the time budget."""
+        ``hf_generate`` (one prompt at a time) is left out: it alone would take most of the time budget;
+        ``pagedkv_sync`` (the sync loop) is in, to set beside async scheduling where the overlap can show."""
         return cls(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                    intermediate_size=8192, vocab_size=128256, num_prompts=256, min_prompt_len=20,
                    max_prompt_len=200, max_new_tokens=128, max_num_batched_tokens=8192, dtype="bfloat16",
-                   device="cuda", threads=None, impls=["hf_static_batch", "hf_generate_batch", "pagedkv"])
+                   device="cuda", threads=None,
+                   impls=["hf_static_batch", "hf_generate_batch", "pagedkv", "pagedkv_sync"])
 
 
 def lm_head_share(cfg: BenchConfig) -> float:
@@ -198,13 +200,27 @@ def run_hf_generate_batch(model, prompts, cfg: BenchConfig, budget: int) -> list
     return [by_index[i] for i in range(len(prompts))]
 
 
-def make_pagedkv(model, cfg: BenchConfig, budget: int):
+def make_pagedkv(model, cfg: BenchConfig, budget: int, async_scheduling: bool = True):
     """The engine, built once before the clock starts (its KV pool, and on a GPU its CUDA graphs), as
-    ``vllm bench throughput`` builds its ``LLM`` before timing ``generate``."""
+    ``vllm bench throughput`` builds its ``LLM`` before timing ``generate``. Async scheduling, vLLM 0.26's
+    default, unless ``async_scheduling=False`` (``pagedkv_sync``: the sync loop, for comparison)."""
     from pagedkv.engine import LLM
 
     return LLM(model, block_size=cfg.block_size, num_gpu_blocks=budget // cfg.block_size + 1,
-               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=4096, seed=cfg.seed)
+               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=4096, seed=cfg.seed,
+               async_scheduling=async_scheduling)
+
+
+def step_times(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per engine step of a timed run, from the engine core's counters (``LLM.stats``): ``steps``, and host
+    milliseconds per step spent scheduling (``schedule_ms``), preparing inputs (``prepare_ms``: the runner's
+    state updates, block moves and the device batch), in the forward and sampler (``forward_ms``: on a CPU the
+    compute; on a GPU the launches, the device runs on) and taking the samples back (``update_ms``).
+    ``host_ms`` = scheduling + input preparation: the host work async scheduling overlaps with the forward."""
+    steps = max(1, int(after["steps"] - before["steps"]))
+    ms = {k[:-2] + "_ms": 1e3 * (after[k] - before[k]) / steps for k in ("schedule_s", "prepare_s", "forward_s",
+                                                                        "update_s")}
+    return {"steps": steps, **ms, "host_ms": ms["schedule_ms"] + ms["prepare_ms"]}
 
 
 def run_pagedkv(model, prompts, cfg: BenchConfig, budget: int, engine=None) -> list[list[int]]:
@@ -221,9 +237,11 @@ RUNNERS = {
     "hf_static_batch": run_hf_static_batch,
     "hf_generate_batch": run_hf_generate_batch,
     "pagedkv": run_pagedkv,
+    "pagedkv_sync": run_pagedkv,  # opt-in (--impls): the same engine with async_scheduling=False
 }
 #: Implementations with a set-up step kept out of the timing; its seconds are reported as ``setup_seconds``.
-SETUPS = {"pagedkv": make_pagedkv}
+SETUPS = {"pagedkv": make_pagedkv,
+          "pagedkv_sync": lambda model, cfg, budget: make_pagedkv(model, cfg, budget, async_scheduling=False)}
 
 
 @contextlib.contextmanager
@@ -276,10 +294,13 @@ def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
             extra["setup_seconds"] = time.perf_counter() - t0
         RUNNERS[impl](model, prompts[:2], warm, budget, **kwargs)  # warm-up: first-call costs out of the timing
         _sync(cfg.device)
+        before = dict(kwargs["engine"].stats) if "engine" in kwargs else None
         t0 = time.perf_counter()
         outs = RUNNERS[impl](model, prompts, cfg, budget, **kwargs)
         _sync(cfg.device)
         seconds = time.perf_counter() - t0
+        if before is not None:
+            extra["step_times"] = step_times(before, kwargs["engine"].stats)
         generated = sum(len(o) for o in outs)
         if reference is None:
             reference = outs
@@ -327,6 +348,12 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(f"model: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, vocabulary {c['vocab_size']:,} "
                  f"(LM head {c['lm_head_share']:.0%} of a decode token's multiply-adds), "
                  f"{c['num_threads']} torch thread(s)")
+    for r in result["rows"]:
+        t = r.get("step_times")
+        if t:
+            lines.append(f"{r['impl']}: {t['steps']} steps; per step, host {t['host_ms']:.2f} ms (scheduling "
+                         f"{t['schedule_ms']:.2f} + input preparation {t['prepare_ms']:.2f}) beside the forward "
+                         f"{t['forward_ms']:.2f} ms (update {t['update_ms']:.2f} ms)")
     return "\n".join(lines)
 
 
@@ -360,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="the seconds-long configuration the tests run")
     size.add_argument("--gpu", action="store_true", help="the prepared GPU run (~1B Llama shape, bf16, CUDA)")
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, help="run only these")
+    parser.add_argument("--impls", nargs="+", choices=sorted(RUNNERS), help="run only these (pagedkv_sync: opt-in)")
     parser.add_argument("--threads", type=int, help="torch threads on a CPU (default 1; 0: torch's default)")
     parser.add_argument("--vocab", type=int, metavar="N", help="the model's vocabulary size (default: the size's own)")
     args = parser.parse_args(argv)

@@ -29,10 +29,11 @@ import concurrent.futures
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pagedkv.engine.llm import LLM, _Sequence
+from pagedkv.engine.core import EngineCoreRequest as CoreRequest
+from pagedkv.engine.llm import LLM
 from pagedkv.engine.metrics import PrometheusStatLogger
 from pagedkv.engine.output_processor import CompletionDelta, RequestState
 from pagedkv.engine.sampling_params import SamplingParams
@@ -80,51 +81,43 @@ class EngineCoreOutput:
 
 
 class _LLMEngineCore:
-    """The engine core the loop drives: ``add_request``, ``abort_requests``, ``step`` over an :class:`LLM`'s
-    scheduler, runner and sampler (its ``step`` does the work). Mirrors ``EngineCore`` (``vllm/v1/engine/core.py``)."""
+    """The loop's view of the :class:`LLM`'s :class:`~pagedkv.engine.core.EngineCore`: ``add_request``,
+    ``abort_requests``, ``step`` (one ``step_fn`` call: with async scheduling, ``step_with_batch_queue``, which may
+    only launch a step and return nothing). ``seqs`` holds the requests not yet finished or aborted."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.seqs: dict[str, _Sequence] = {}
-        self._emitted: dict[str, int] = {}
+        self.core = llm.engine_core
+        self.seqs: dict[str, EngineCoreRequest] = {}
         self.idle_steps = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        seq = self.llm._new_sequence(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                     request.max_tokens, 0, 0)
-        seq.request.cache_salt = request.cache_salt
-        seq.request.priority = request.priority
-        self.llm.scheduler.add_request(seq.request)  # ValueError (nothing changed) if it could never fit
-        self.seqs[request.request_id] = seq
-        self._emitted[request.request_id] = 0
+        params = replace(request.sampling_params, max_tokens=request.max_tokens)
+        self.core.add_request(CoreRequest(request.request_id, list(request.prompt_token_ids), params,
+                                          priority=request.priority, cache_salt=request.cache_salt))
+        self.seqs[request.request_id] = request  # after add_request: a refused request is not kept
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
-        self.llm.scheduler.finish_requests(list(request_ids))
+        self.core.abort_requests(list(request_ids))
         for rid in request_ids:
             self.seqs.pop(rid, None)
-            self._emitted.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs) or bool(self.core.batch_queue)  # steps in flight still return
 
     def step(self) -> list[EngineCoreOutput]:
-        """One engine step; the new tokens (and finish) of every request that got any."""
-        before = self.llm.stats["forward_tokens"]
-        self.llm.step(self.seqs)
-        self.idle_steps = self.idle_steps + 1 if self.llm.stats["forward_tokens"] == before else 0
+        """One engine-core step; the new tokens (and finish) of every request that got any."""
+        core_outputs, executed = self.core.step_fn()
+        got = core_outputs is not None and bool(core_outputs.outputs)
+        self.idle_steps = 0 if executed or got or not self.seqs else self.idle_steps + 1
         outputs = []
-        for rid, seq in list(self.seqs.items()):
-            req = seq.request
-            n = self._emitted[rid]
-            new = list(req.output_token_ids[n:])
-            finished = req.is_finished()
-            if new or finished:
-                self._emitted[rid] = n + len(new)
-                outputs.append(EngineCoreOutput(rid, new, req.get_finished_reason() if finished else None,
-                                                seq.stop_reason if finished else None, seq.num_cached_tokens or 0,
-                                                req.num_preemptions))
-            if finished:
-                del self.seqs[rid], self._emitted[rid]
+        for out in core_outputs.outputs if core_outputs is not None else ():
+            if out.request_id not in self.seqs:
+                continue
+            outputs.append(EngineCoreOutput(out.request_id, list(out.new_token_ids), out.finish_reason,
+                                            out.stop_reason, out.num_cached_tokens, out.num_preemptions))
+            if out.finished:
+                del self.seqs[out.request_id]
         return outputs
 
 

@@ -1,33 +1,40 @@
 """``LLM``: the offline serving engine. Prompts in, completions out, the lab's scheduler and paged cache between.
 
-One engine step is lesson 4's loop with a real model in it:
+``LLM`` tokenizes and checks the prompts, turns each into ``n`` requests for the :class:`~pagedkv.engine.core.
+EngineCore`, and steps the core until they have all finished::
 
-    scheduler_output = scheduler.schedule()                 # who runs, how many tokens, which blocks move
-    req_ids, logits = runner.execute_model(scheduler_output, token_ids)   # one forward over all of them
-    scheduler.update_from_output(scheduler_output, sampler(logits))       # keep tokens, finish requests
+    engine_core = EngineCore(AsyncScheduler(...), UniProcExecutor(ModelRunner(...)))
+    while unfinished:
+        outputs, _ = engine_core.step_fn()      # step_with_batch_queue (async scheduling) or step
 
-The scheduler, KV cache manager and block pool are the lesson 2-4 classes, unchanged. Mirrors vLLM 0.26's
-``LLM`` (``vllm/entrypoints/llm.py``: ``generate``) and ``EngineCore.step`` (``vllm/v1/engine/core.py``).
+The scheduler, KV cache manager and block pool are the lesson 2-4 classes, unchanged. ``async_scheduling=True``
+(the default, as in vLLM 0.26 for these models) schedules step N+1 while step N runs; ``False`` gives the sync
+loop, one step at a time: the same tokens either way. ``n > 1`` is ``n`` requests with the same prompt (seeds
+``seed + i``), which share the prompt's full blocks through the prefix cache, as vLLM 0.26 does
+(``vllm/v1/engine/parallel_sampling.py``: ``ParentRequest``). Mirrors vLLM 0.26's ``LLM``
+(``vllm/entrypoints/llm.py``: ``generate``, ``_run_engine``).
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from pagedkv.async_scheduler import AsyncScheduler
 from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
+from pagedkv.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest
+from pagedkv.engine.executor import UniProcExecutor
 from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from pagedkv.kv_cache_manager import KVCacheManager
-from pagedkv.request import Request, RequestStatus
 from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
 from pagedkv.sizing.hybrid import (
     describe_groups,
@@ -71,6 +78,19 @@ def check_architecture(config: Any) -> None:
                          "None (Gemma 3's default)")
 
 
+def batch_defaults(device: torch.device) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` when not given: vLLM 0.26's defaults for the ``LLM`` class
+    (``vllm/engine/arg_utils.py``: ``EngineArgs.get_batch_defaults``, applied by
+    ``_set_default_max_num_seqs_and_batched_tokens_args``): 16,384 and 1,024 on a GPU of at least 70 GiB that is
+    not an A100 (H100, H200), 8,192 and 256 on other GPUs, 4,096 and 256 on a CPU (one worker)."""
+    if device.type != "cuda":
+        return 4096, 256
+    props = torch.cuda.get_device_properties(device)
+    if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
+        return 16384, 1024
+    return 8192, 256
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -94,18 +114,16 @@ def _token_ids(i: int, p: Sequence[Any] | np.ndarray) -> list[int]:
 
 
 @dataclass
-class _Sequence:
-    """The engine's record of one sequence (one of a prompt's ``n`` completions)."""
+class _Completion:
+    """One of a prompt's ``n`` completions while it is generated: the tokens so far and how it ended."""
 
-    request: Request
     prompt_index: int
     index: int  # completion index within the prompt
-    params: SamplingParams
-    generator: torch.Generator | None
-    stop_ids: frozenset[int]
-    stop_reason: int | None = None  # the stop token that ended it; None for EOS or any other end
-    num_cached_tokens: int | None = None  # prefix-cache hit length at first admission
-    children: list[tuple[str, SamplingParams]] = field(default_factory=list)  # to fork after the first sample
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class LLM:
@@ -117,7 +135,11 @@ class LLM:
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
     swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
-    Mirrors ``vllm.LLM``.
+    ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`).
+    ``async_scheduling`` (default ``True``, vLLM 0.26's for these models): an ``AsyncScheduler`` and
+    ``EngineCore.step_with_batch_queue``; ``False``: the plain ``Scheduler`` and ``EngineCore.step``.
+    Parts: ``scheduler``, ``kv_cache_manager``, ``runner`` (the ``ModelRunner``), ``model_executor``
+    (``UniProcExecutor``), ``engine_core``. Mirrors ``vllm.LLM``.
     """
 
     def __init__(
@@ -128,7 +150,7 @@ class LLM:
         num_gpu_blocks: int | None = None,
         gpu_memory_utilization: float = 0.92,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
@@ -141,8 +163,10 @@ class LLM:
         tokenizer: Any = None,
         tensor_parallel_size: int = 1,
         kv_cache_memory_bytes: int | Sequence[int] | None = None,
+        async_scheduling: bool = True,
     ) -> None:
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs), ("seed", seed)):
+        for name, value in (("block_size", block_size), ("seed", seed)) + (
+                (("max_num_seqs", max_num_seqs),) if max_num_seqs is not None else ()):
             if not _is_int(value) or value < (0 if name == "seed" else 1):
                 raise ValueError(f"{name} must be an int >= {0 if name == 'seed' else 1}, got {value!r}")
         if preemption_mode not in PREEMPTION_MODES:
@@ -177,8 +201,11 @@ class LLM:
         if not _is_int(max_model_len) or not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be an int in 2..{limit} for this model, got {max_model_len!r}")
         self.max_model_len = max_model_len
-        if max_num_batched_tokens is None:  # vLLM 0.26's LLM-class defaults (EngineArgs._set_default_args)
-            max_num_batched_tokens = 8192 if self.device.type == "cuda" else 4096
+        default_tokens, default_seqs = batch_defaults(self.device)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_tokens
+        if max_num_seqs is None:
+            max_num_seqs = default_seqs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -189,6 +216,9 @@ class LLM:
         self.kv_cache_config = None
         if num_gpu_blocks is None and _is_int(kv_cache_memory_bytes) and tensor_parallel_size == 1:
             num_gpu_blocks = max(2, kv_cache_memory_bytes // self._block_bytes())  # vLLM's kv_cache_memory_bytes
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
+        self.async_scheduling = async_scheduling
         self.executor = None
         try:
             self.executor = self._start_executor(tensor_parallel_size) if tensor_parallel_size != 1 else None
@@ -213,26 +243,33 @@ class LLM:
                                                                        num_gpu_blocks * self._block_bytes())
                 self.kv_cache_manager = KVCacheManager(self.kv_cache_config, enable_caching=enable_prefix_caching,
                                                        max_model_len=max_model_len)
-            self.scheduler = Scheduler(
+            # vLLM 0.26: SchedulerConfig.get_scheduler_cls() gives AsyncScheduler when async_scheduling is on
+            scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+            self.scheduler = scheduler_cls(
                 self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
                 preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
             )
             if self.executor is not None:  # lesson 10: every rank allocates its shard of the same pool
                 self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks, block_size, max_model_len,
-                                               self.attn_backend, max_num_seqs)
+                                               self.attn_backend, max_num_seqs, seed)
             self.runner = self.executor or ModelRunner(
                 self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size, max_model_len=max_model_len,
                 num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
                 use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
+                sampler=Sampler(make_generator(seed, self.device)),
                 kv_cache_config=self.kv_cache_config,
             )
         except BaseException:
             self.shutdown()  # no worker outlives a failed start
             raise
-        self.sampler = Sampler(make_generator(seed, self.device))
+        # the tensor-parallel executor (lesson 10) or the one runner in this process
+        self.model_executor = self.executor or UniProcExecutor(self.runner, async_scheduling=async_scheduling)
         self.eos_token_ids = self._eos_token_ids()
+        self.engine_core = EngineCore(
+            self.scheduler, self.model_executor, eos_token_ids=self.eos_token_ids,
+            tokenizer_eos_token_id=getattr(self.tokenizer, "eos_token_id", None), async_scheduling=async_scheduling,
+        )
         self._next_id = 0
-        self.stats: dict[str, int] = {"steps": 0, "forward_tokens": 0}
 
     # ------------------------------------------------------------------------------------------------
     # Set-up
@@ -445,166 +482,100 @@ class LLM:
         params_list = [p.verified() for p in params_list]
         clamped = []
         for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
-            max_tokens = min(params.max_tokens, self.max_model_len - len(ids))  # vLLM clamps the same way
+            # vLLM 0.26 lets the request run and ends it at max_model_len (check_stop: FINISHED_LENGTH_CAPPED,
+            # "length"); capping max_tokens ends it at the same token with the same reason
+            max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
             self._check_fits(i, len(ids), max_tokens)
             clamped.append(max_tokens)
 
-        seqs: dict[str, _Sequence] = {}
+        completions: dict[str, _Completion] = {}
+        core = self.engine_core
+        core.tokenizer_eos_token_id = getattr(self.tokenizer, "eos_token_id", None)  # the tokenizer may change
+        requests = []
         for i, (ids, params, max_tokens) in enumerate(zip(prompt_ids, params_list, clamped, strict=True)):
             base = f"{self._next_id + i}"
-            child_params = [params.for_child(j) for j in range(params.n)] if params.n > 1 else [params]
-            seq = self._new_sequence(base, ids, child_params[0], max_tokens, i, 0)
-            seq.children = [(f"{base}-{j}", child_params[j]) for j in range(1, params.n)]
-            seqs[base] = seq
+            for j in range(params.n):  # vLLM's ParentRequest: n requests, seeds seed + j
+                child = params.for_child(j) if params.n > 1 else params
+                rid = base if j == 0 else f"{base}-{j}"
+                requests.append(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens)))
+                completions[rid] = _Completion(i, j)
         self._next_id += len(prompt_ids)
-        done: dict[str, _Sequence] = {}
-        remaining = sum(p.n for p in params_list)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(prompt_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
         left = {i: p.n for i, p in enumerate(params_list)}
+        unfinished = set(completions)
         idle = 0
         try:
-            for seq in seqs.values():
-                self.scheduler.add_request(seq.request)
-            while remaining:
-                steps_before = self.stats["forward_tokens"]
-                for rid in self.step(seqs):
-                    done[rid] = seqs.pop(rid)
-                    remaining -= 1
-                    left[done[rid].prompt_index] -= 1
-                    if left[done[rid].prompt_index] == 0:
-                        bar.update(1)
-                idle = idle + 1 if self.stats["forward_tokens"] == steps_before else 0
+            for request in requests:
+                core.add_request(request)
+            while unfinished:
+                outputs, executed = core.step_fn()
+                for out in outputs.outputs if outputs is not None else ():
+                    if out.request_id in unfinished:
+                        self._record(completions[out.request_id], out)
+                        if out.finished:
+                            unfinished.discard(out.request_id)
+                            left[completions[out.request_id].prompt_index] -= 1
+                            if left[completions[out.request_id].prompt_index] == 0:
+                                bar.update(1)
+                idle = 0 if executed or (outputs is not None and outputs.outputs) else idle + 1
                 if idle > 100:  # nothing scheduled for 100 steps: a scheduler bug, not a wait
-                    raise RuntimeError(f"the scheduler scheduled nothing for {idle} steps with {remaining} "
+                    raise RuntimeError(f"the scheduler scheduled nothing for {idle} steps with {len(unfinished)} "
                                        "sequences unfinished")
         except BaseException:
-            self.scheduler.finish_requests(list(seqs))  # abort: free their blocks, keep the engine usable
+            self.abort(list(unfinished))  # free their blocks, keep the engine usable
             raise
         finally:
             bar.close()
-        return self._outputs(done, prompt_ids, texts)
+        return self._outputs(completions, prompt_ids, texts)
 
-    def _new_sequence(
-        self, rid: str, prompt: list[int], params: SamplingParams, max_tokens: int, prompt_index: int, index: int
-    ) -> _Sequence:
-        request = Request(rid, prompt, max_tokens)
-        stop = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop |= self.eos_token_ids
-        gen = make_generator(params.seed, self.device) if params.seed is not None else None
-        return _Sequence(request, prompt_index, index, params, gen, frozenset(stop))
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort these requests and drain the steps still in flight, so the engine is idle and usable again."""
+        core = self.engine_core
+        core.abort_requests(request_ids)
+        while core.batch_queue:  # the discarded steps' samples: read, and thrown away by update_from_output
+            future, so = core.batch_queue.pop()
+            try:
+                output = future.result()
+            except Exception:  # noqa: BLE001 - the executor failed (a dead worker): its error is already raised
+                continue
+            core._update_from_output(so, output)
 
-    # ------------------------------------------------------------------------------------------------
-    # One step
-    # ------------------------------------------------------------------------------------------------
-    def step(self, seqs: dict[str, _Sequence]) -> list[str]:
-        """One engine step: schedule, run the model, sample, fork new children, update the scheduler, stop
-        sequences that sampled a stop token. Returns the ids of the sequences that finished.
-        Mirrors ``EngineCore.step`` (``vllm/v1/engine/core.py``)."""
-        so = self.scheduler.schedule()
-        for new in so.scheduled_new_reqs:
-            seq = seqs.get(new.req_id)
-            if seq is not None and seq.num_cached_tokens is None:
-                seq.num_cached_tokens = new.num_computed_tokens
-        token_ids = {rid: self.scheduler.requests[rid].all_token_ids for rid in so.num_scheduled_tokens}
-        req_ids, logits = self.runner.execute_model(so, token_ids)
-        self.stats["steps"] += 1
-        self.stats["forward_tokens"] += so.total_num_scheduled_tokens
+    @staticmethod
+    def _record(completion: _Completion, out: EngineCoreOutput) -> None:
+        completion.token_ids.extend(out.new_token_ids)
+        completion.num_cached_tokens = out.num_cached_tokens
+        completion.num_preemptions = out.num_preemptions
+        if out.finished:
+            completion.finish_reason = out.finish_reason
+            completion.stop_reason = out.stop_reason
 
-        rows, params, gens = [], [], []
-        for row, rid in enumerate(req_ids):
-            seq = seqs[rid]
-            rows.append(row)
-            params.append(seq.params)
-            gens.append(seq.generator)
-            for _cid, cparams in seq.children:  # n > 1: the children's first tokens, from the same logits
-                rows.append(row)
-                params.append(cparams)
-                gens.append(make_generator(cparams.seed, self.device) if cparams.seed is not None else None)
-        tokens = self.sampler(logits if rows == list(range(len(req_ids))) else logits[rows], params, gens)
-
-        sampled: dict[str, int] = {}
-        k = 0
-        for rid in req_ids:
-            seq = seqs[rid]
-            sampled[rid] = tokens[k]
-            k += 1
-            if seq.children:
-                for (cid, cparams), gen in zip(seq.children, gens[k : k + len(seq.children)], strict=True):
-                    self._fork(seq, cid, cparams, gen, tokens[k], seqs)
-                    k += 1
-                seq.children = []
-        self.scheduler.update_from_output(so, sampled)
-        for rid, token in sampled.items():
-            request = seqs[rid].request
-            if token in seqs[rid].stop_ids:  # a stop token outranks max_tokens (vLLM's check_stop)
-                self._set_stop_reason(seqs[rid], token)
-                if not request.is_finished():
-                    self.scheduler.finish_requests(rid, RequestStatus.FINISHED_STOPPED)
-                elif request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
-                    request.status = RequestStatus.FINISHED_STOPPED
-        return [rid for rid, seq in seqs.items() if seq.request.is_finished()]
-
-    def _set_stop_reason(self, seq: _Sequence, token: int) -> None:
-        """vLLM's ``stop_reason``: ``None`` for the tokenizer's EOS token (vLLM's ``eos_token_id``; unless
-        ``ignore_eos``), the token id for any other stop token (``stop_token_ids`` and the generation config's
-        other EOS ids, which vLLM adds to them). Mirrors ``check_stop`` (``vllm/v1/core/sched/utils.py``)."""
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        seq.stop_reason = None if token == eos and not seq.params.ignore_eos else token
-
-    def _fork(self, parent: _Sequence, cid: str, params: SamplingParams, gen: torch.Generator | None, token: int,
-              seqs: dict[str, _Sequence]) -> None:
-        """Start child ``cid`` of ``parent`` (which just sampled its first token from the prompt's logits) with
-        its own first ``token``: it shares all the parent's blocks (``Scheduler.fork``; copy-on-write when it
-        writes into the shared last block). When ``max_num_seqs`` sequences already run, it is queued as a new
-        request instead and finds the prompt's full blocks in the prefix cache."""
-        req = parent.request
-        child = self._new_sequence(cid, req.prompt_token_ids, params, req.max_tokens, parent.prompt_index,
-                                   int(cid.rsplit("-", 1)[1]))
-        child.generator = gen
-        child.num_cached_tokens = parent.num_cached_tokens
-        seqs[cid] = child
-        try:
-            self.scheduler.fork(req, child.request)
-            forked = True
-        except ValueError:
-            forked = False
-        child.request.append_output_token_ids(token)
-        reason = None
-        if token in child.stop_ids:
-            reason = RequestStatus.FINISHED_STOPPED
-            self._set_stop_reason(child, token)
-        elif child.request.num_output_tokens >= child.request.max_tokens:
-            reason = RequestStatus.FINISHED_LENGTH_CAPPED
-        if forked:
-            if reason is not None:
-                self.scheduler.finish_requests(cid, reason)
-        elif reason is not None:
-            child.request.status = reason
-        else:
-            self.scheduler.add_request(child.request)
+    @property
+    def stats(self) -> dict[str, float]:
+        """The engine core's counters: ``steps``, ``forward_tokens``, and host seconds spent scheduling
+        (``schedule_s``), preparing inputs (``prepare_s``), in the forward and sampler (``forward_s``) and updating
+        (``update_s``)."""
+        return self.engine_core.stats
 
     def _outputs(
-        self, done: dict[str, _Sequence], prompt_ids: list[list[int]], texts: list[str | None]
+        self, completions: dict[str, _Completion], prompt_ids: list[list[int]], texts: list[str | None]
     ) -> list[RequestOutput]:
         outputs = [
             RequestOutput(request_id=str(self._next_id - len(prompt_ids) + i), prompt=texts[i],
                           prompt_token_ids=prompt_ids[i])
             for i in range(len(prompt_ids))
         ]
-        for seq in sorted(done.values(), key=lambda s: (s.prompt_index, s.index)):
-            req = seq.request
-            out = outputs[seq.prompt_index]
+        for c in sorted(completions.values(), key=lambda c: (c.prompt_index, c.index)):
+            out = outputs[c.prompt_index]
             text = None
             if self.tokenizer is not None:
-                text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            out.outputs.append(CompletionOutput(seq.index, text, list(req.output_token_ids),
-                                                req.get_finished_reason(), seq.stop_reason, req.num_preemptions))
-            out.num_preemptions += req.num_preemptions
-            if seq.index == 0:
-                out.num_cached_tokens = seq.num_cached_tokens or 0
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            out.outputs.append(CompletionOutput(c.index, text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                                                c.num_preemptions))
+            out.num_preemptions += c.num_preemptions
+            if c.index == 0:
+                out.num_cached_tokens = c.num_cached_tokens
         return outputs
 
     def __repr__(self) -> str:

@@ -1,30 +1,66 @@
-"""The model runner: one scheduler step in, one forward pass over the paged cache, logits out.
+"""The model runner: one scheduler step in, one forward pass over the paged cache, sampled tokens out.
 
 Lesson 4's simulator stood in for this. The runner owns the KV cache tensors (two per layer,
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, plus a CPU copy of that shape for swapped-out
-blocks) and, each step:
+blocks), a state per request (its slot, the tokens it was admitted with, its sampling parameters), the block
+tables on the device, and the last sampled token of every request on the device. Each step
+(:meth:`ModelRunner.execute_model`, reached through the engine's executor):
 
-1. performs the step's block moves on the real tensors, in order: ``blocks_to_swap_out`` (GPU → CPU),
+1. updates its states from the scheduler output: finished and preempted requests are forgotten, new and resumed
+   ones added with their whole block table, running ones get their new block ids appended on the device
+   (:class:`~pagedkv.engine.block_table.BlockTables`);
+2. performs the step's block moves on the real tensors, in order: ``blocks_to_swap_out`` (GPU → CPU),
    ``blocks_to_swap_in`` (CPU → GPU), ``blocks_to_copy`` (copy-on-write, GPU → GPU);
-2. flattens every scheduled token (prefill chunks and decodes mixed) into one packed batch with
-   :func:`prepare_inputs`: input ids, positions, slot mapping, block tables, sequence lengths;
-3. runs transformers' own decoder (``model.base_model``) on it once, attention set to ``"pagedkv"``
+3. builds the packed batch on the device (:meth:`ModelRunner.prepare_inputs`): input ids (a decode's input is
+   the runner's own last sample, read on the device, so the host need not know it yet), positions, slot mapping
+   (a Triton kernel on CUDA, :func:`pagedkv.kernels.compute_slot_mappings`), block tables, sequence lengths;
+4. runs transformers' own decoder (``model.base_model``) on it once, attention set to ``"pagedkv"``
    (:mod:`pagedkv.engine.attention`), the per-step metadata passed as a forward keyword argument;
-4. applies the LM head to the last scheduled token of each request whose chunk reached its end, and to no
-   other row (``compute_logits``), and returns those logits.
+5. applies the LM head to the last scheduled token of each request whose chunk reached its end, and to no
+   other row (``compute_logits``), samples, and returns the samples without waiting for the device
+   (:class:`AsyncModelRunnerOutput`).
 
 Decode-only steps on CUDA replay a CUDA graph captured for the next batch-size bucket (:class:`CUDAGraphRunner`).
-Mirrors vLLM 0.26's ``GPUModelRunner`` (``vllm/v1/worker/gpu_model_runner.py``: ``_prepare_inputs``,
-``execute_model``, ``capture_model``) and nano-vllm's ``ModelRunner`` (``nanovllm/engine/model_runner.py``).
+:func:`prepare_inputs` is the same flattening in plain Python lists (exercise 07); the device path is tested
+against it.
+
+Mirrors vLLM 0.26's Model Runner V2, the runner it builds for dense models (``VllmConfig.use_v2_model_runner``,
+``vllm/config/vllm.py``; ``vllm/v1/worker/gpu/model_runner.py``: ``GPUModelRunner``), piece by piece:
+
+============================  =========================================================================
+lab (``pagedkv/engine/``)     vLLM 0.26 (``vllm/v1/worker/gpu/``)
+============================  =========================================================================
+``ModelRunner.execute_model`` ``model_runner.py``: ``execute_model`` + ``sample_tokens``
+``finish/add/update_requests`` ``model_runner.py``: ``finish_requests``, ``add_requests``,
+                              ``update_requests``
+``CachedRequestState``        ``states.py``: ``RequestState`` (``prefill_token_ids``)
+``BlockTables``               ``block_table.py``: ``BlockTables`` (``append_block_ids``,
+                              ``gather_block_tables``, ``compute_slot_mappings``)
+``compute_slot_mappings``     ``block_table.py``: ``_compute_slot_mappings_kernel`` (Triton)
+``InputBatch``                ``input_batch.py``: ``InputBatch``
+``prepare_inputs``            ``model_runner.py``: ``prepare_inputs`` (``prepare_prefill_inputs``,
+                              ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``)
+``last_sampled_tokens``       ``states.py``: ``RequestState.last_sampled_tokens``
+``compute_logits``            ``model_runner.py``: logits for every request (``total_num_logits = num_reqs``)
+``Sampler``                   ``sample/sampler.py``: ``Sampler`` (Gumbel noise from a seed and position)
+``AsyncModelRunnerOutput``    ``async_utils.py``: ``AsyncOutput``
+``CUDAGraphRunner``           ``cudagraph_utils.py``: ``CudaGraphManager`` (captured after the KV cache)
+============================  =========================================================================
+
+Where the lab differs on purpose: the batch keeps the scheduling order (V2 sorts it, ``sort_batch_req_ids``);
+the LM head runs on the sampled rows only; a seeded request keeps a ``torch.Generator`` (V2 draws its noise from
+the seed and the position, so it needs no state); swaps and copy-on-write moves are the lab's extensions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,7 +108,10 @@ def prepare_inputs(
     ``num_computed_tokens[r]``; token at position ``p`` goes to slot
     ``block_table[p // block_size] * block_size + p % block_size``. ``token_ids[r]`` are all its tokens
     (prompt and outputs). Pure: reads its arguments, changes nothing.
-    Mirrors ``GPUModelRunner._prepare_inputs`` and ``BlockTable.compute_slot_mapping``.
+    The host-side flattening of vLLM 0.26's V1 runner (``vllm/v1/worker/gpu_model_runner.py``:
+    ``GPUModelRunner._prepare_inputs``, ``vllm/v1/worker/block_table.py``: ``BlockTable.compute_slot_mapping``),
+    which 0.26 still runs for MoE and hybrid models; for dense models it runs Model Runner V2, which does the
+    same on the device (:meth:`ModelRunner.prepare_inputs`, tested against this function).
     """
     req_ids = list(scheduler_output.num_scheduled_tokens)
     partial = scheduler_output.partial_prefill_req_ids or set()
@@ -139,12 +178,32 @@ def group_windows(kv_cache_config: KVCacheConfig | None) -> list[int | None]:
 # ---------------------------------------------------------------------------------------------------------
 # CUDA graphs: batch-size buckets
 # ---------------------------------------------------------------------------------------------------------
+def vllm_cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int,
+                                 num_speculative_tokens: int = 0) -> list[int]:
+    """The sizes vLLM 0.26 captures by default, in **tokens**: ``[1, 2, 4] + range(8, 256, 8) + range(256, cap + 1,
+    16)``, plus ``max_num_batched_tokens`` when it fits, with ``cap = min(max_num_seqs * decode_query_len * 2, 512,
+    max_num_batched_tokens)`` and ``decode_query_len = 1 + num_speculative_tokens``. Mirrors
+    ``VllmConfig._set_cudagraph_sizes`` (``vllm/config/vllm.py``; kept in
+    ``CompilationConfig.cudagraph_capture_sizes``). Under the default ``cudagraph_mode`` ``FULL_AND_PIECEWISE``
+    (``vllm/config/compilation.py``) decode batches replay full graphs and mixed batches piecewise ones, so a size
+    counts a step's tokens, not its requests (for 256 sequences and 8,192 tokens: 51 sizes up to 512)."""
+    cap = min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512, max_num_batched_tokens)
+    sizes = [s for s in (1, 2, 4) if s <= cap]
+    if cap >= 8:
+        sizes += list(range(8, min(cap + 1, 256), 8))
+    if cap >= 256:
+        sizes += list(range(256, cap + 1, 16))
+    if max_num_batched_tokens <= cap:
+        sizes.append(max_num_batched_tokens)
+    return sorted(set(sizes))
+
+
 def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
-    """The decode batch sizes to capture: ``[1, 2, 4] + range(8, 256, 8) + range(256, cap + 1, 16)`` and ``cap``,
-    where ``cap = min(max_num_seqs, max_size)``. vLLM 0.26's default pattern (``VllmConfig._set_cudagraph_sizes``,
-    ``vllm/config/vllm.py``, kept in ``CompilationConfig.cudagraph_capture_sizes``), whose cap is
-    ``min(2 * max_num_seqs, 512, max_num_batched_tokens)``: vLLM's graphs count tokens and also serve mixed
-    batches; the lab's serve decode-only steps, one token per request, so no more than ``max_num_seqs``."""
+    """The decode batch sizes the lab captures: vLLM's pattern (:func:`vllm_cudagraph_capture_sizes`) with
+    ``cap = min(max_num_seqs, max_size)``, and ``cap`` itself. The lab differs on purpose: it captures full graphs
+    of decode-only steps (one token per request), so it needs no size above ``max_num_seqs``, and mixed steps run
+    eagerly; vLLM 0.26 caps at ``min(2 * max_num_seqs, 512, max_num_batched_tokens)`` tokens and replays
+    piecewise graphs for mixed steps too."""
     cap = max(1, min(max_num_seqs, max_size))
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
     out = sorted({s for s in sizes if s <= cap} | {cap})
@@ -159,6 +218,68 @@ def bucket_for(batch_size: int, capture_sizes: Sequence[int]) -> int | None:
     return None
 
 
+@dataclass
+class InputBatch:
+    """One step's inputs on the runner's device, in batch order (the scheduling order), built by
+    :meth:`ModelRunner.prepare_inputs`. ``idx_mapping[b]`` is the batch row's request slot (its row of the persistent
+    :class:`~pagedkv.engine.block_table.BlockTables`); ``logits_indices`` the packed rows that are sampled, one per
+    request in ``sample_req_ids`` (those whose chunk reaches the end of their tokens). The host keeps what it
+    already knew (``seq_lens_host``, ``query_start_loc_host``) so that nothing here needs a device-to-host copy.
+    Mirrors ``InputBatch`` (``vllm/v1/worker/gpu/input_batch.py``)."""
+
+    req_ids: list[str]
+    idx_mapping: torch.Tensor  # [B] int32
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    logits_indices: torch.Tensor  # [S] int64
+    sample_req_ids: list[str]
+    seq_lens_host: list[int]  # [B]
+    query_start_loc_host: list[int]  # [B + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_query_len(self) -> int:
+        qsl = self.query_start_loc_host
+        return max((qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)), default=0)
+
+    def to_model_inputs(self, block_size: int) -> ModelInputs:
+        """The same step as plain lists, what :func:`prepare_inputs` returns: each request's table cut to the
+        ``ceil(seq_len / block_size)`` blocks it owns (the gathered rows are padded to the widest)."""
+        tables = [row[: -(-n // block_size)] for row, n in zip(self.block_tables.tolist(), self.seq_lens_host,
+                                                               strict=True)]
+        return ModelInputs(
+            list(self.req_ids), self.input_ids.tolist(), self.positions.tolist(), self.slot_mapping.tolist(),
+            tables, list(self.seq_lens_host), list(self.query_start_loc_host), list(self.sample_req_ids),
+            self.logits_indices.tolist(),
+        )
+
+    @classmethod
+    def from_model_inputs(cls, inputs: ModelInputs, device: torch.device | str,
+                          idx_mapping: Sequence[int] | None = None) -> InputBatch:
+        """The device tensors of a step given as plain lists (the Python :func:`prepare_inputs` path)."""
+        def t(x: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(list(x), dtype=dtype).to(device, non_blocking=True)
+
+        b = len(inputs.req_ids)
+        return cls(
+            req_ids=list(inputs.req_ids),
+            idx_mapping=t(idx_mapping if idx_mapping is not None else range(b), torch.int32),
+            input_ids=t(inputs.input_ids, torch.long), positions=t(inputs.positions, torch.long),
+            slot_mapping=t(inputs.slot_mapping, torch.long),
+            block_tables=make_block_table_tensor(inputs.block_tables).to(device, non_blocking=True),
+            seq_lens=t(inputs.seq_lens, torch.int32), query_start_loc=t(inputs.query_start_loc, torch.int32),
+            logits_indices=t(inputs.logits_indices, torch.long), sample_req_ids=list(inputs.sample_req_ids),
+            seq_lens_host=list(inputs.seq_lens), query_start_loc_host=list(inputs.query_start_loc),
+        )
+
+
 class GraphInputBuffers:
     """The static inputs of the decode graphs: one set of tensors, sized for the largest bucket, that every graph
     reads from, so a graph replays on new inputs once they are copied in (a graph is frozen: fixed addresses).
@@ -168,7 +289,8 @@ class GraphInputBuffers:
     request owns) first in their table, so they write nothing and read only the null block. A real row's table is
     written only as wide as the step's longest: the kernels read entry ``j`` of a row only for tokens below its
     ``seq_len``, so what is left beyond from earlier steps is never read, and a step copies ``B x width`` ints,
-    not ``size x max_blocks`` (nano-vllm's ``prepare_decode`` copies ``[:bs, :width]`` the same way).
+    not ``size x max_blocks`` (nano-vllm's ``prepare_decode`` copies ``[:bs, :width]`` the same way). The copies
+    are device to device: the step's inputs are already there (:class:`InputBatch`).
     """
 
     def __init__(self, max_size: int, max_blocks: int, device: torch.device | str) -> None:
@@ -179,20 +301,22 @@ class GraphInputBuffers:
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)  # [N]
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)  # [N + 1]
 
-    def fill(self, inputs: ModelInputs, size: int) -> None:
+    def fill(self, batch: InputBatch | ModelInputs, size: int) -> None:
         """Copy a decode-only step of ``B <= size`` requests into rows ``0..B-1``, padding rows ``B..size-1``."""
-        b = len(inputs.req_ids)
-        if inputs.max_query_len != 1 or inputs.num_tokens != b:
+        if isinstance(batch, ModelInputs):
+            batch = InputBatch.from_model_inputs(batch, self.input_ids.device)
+        b = len(batch.req_ids)
+        if batch.max_query_len != 1 or batch.num_tokens != b:
             raise ValueError("a decode graph takes a decode-only step (one token per request)")
         if not b <= size <= self.input_ids.shape[0]:
             raise ValueError(f"cannot run {b} requests in a graph of {size} (buffers for {self.input_ids.shape[0]})")
-        tables = make_block_table_tensor(inputs.block_tables)  # [B, W]
+        tables = batch.block_tables  # [B, W]
         width = tables.shape[1]
         if width > self.block_tables.shape[1]:
             raise ValueError(f"a block table of {width} blocks; the graphs hold {self.block_tables.shape[1]}")
-        for buf, real, pad in ((self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
-                               (self.slot_mapping, inputs.slot_mapping, -1), (self.seq_lens, inputs.seq_lens, 1)):
-            buf[:b].copy_(torch.tensor(real, dtype=buf.dtype), non_blocking=True)
+        for buf, real, pad in ((self.input_ids, batch.input_ids, 0), (self.positions, batch.positions, 0),
+                               (self.slot_mapping, batch.slot_mapping, -1), (self.seq_lens, batch.seq_lens, 1)):
+            buf[:b].copy_(real, non_blocking=True)
             buf[b:size].fill_(pad)
         self.block_tables[:b, :width].copy_(tables, non_blocking=True)
         self.block_tables[b:size, 0] = 0
@@ -281,26 +405,92 @@ class CUDAGraphRunner:
                 self.graphs[size] = graph
                 torch.cuda.synchronize()
 
-    def can_run(self, inputs: ModelInputs) -> bool:
-        return inputs.max_query_len == 1 and bucket_for(len(inputs.req_ids), self.capture_sizes) is not None
+    def can_run(self, batch: InputBatch) -> bool:
+        return batch.max_query_len == 1 and bucket_for(len(batch.req_ids), self.capture_sizes) is not None
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Replay the bucket's graph on ``inputs``; returns the logits of the sampled requests ``[S, V]``."""
-        size = bucket_for(len(inputs.req_ids), self.capture_sizes)
+    def run(self, batch: InputBatch) -> torch.Tensor:
+        """Replay the bucket's graph on ``batch``; returns the logits of the sampled requests ``[S, V]``."""
+        size = bucket_for(len(batch.req_ids), self.capture_sizes)
         assert size is not None
-        self.buffers.fill(inputs, size)
+        self.buffers.fill(batch, size)
         self.graphs[size].replay()
-        keep = torch.tensor(inputs.logits_indices, dtype=torch.long, device=self.device)  # [S]
         compute_logits = self._compute_logits()
         assert compute_logits is not None, "the model runner that owns these graphs is gone"
-        return compute_logits(self.hidden[keep])
+        return compute_logits(self.hidden[batch.logits_indices])
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------------------------
+@dataclass
+class CachedRequestState:
+    """What the runner keeps about one request between steps: its slot (row of the block tables), the tokens
+    it was (re)admitted with and its sampling parameters. Decode inputs are not here: they are the runner's own
+    last samples, on the device (``ModelRunner.last_sampled_tokens``). Mirrors ``RequestState``
+    (``vllm/v1/worker/gpu/states.py``), whose ``prefill_token_ids`` are the same tokens."""
+
+    req_id: str
+    req_index: int
+    prefill_token_ids: list[int]  # prompt, or prompt + outputs for a resumed request
+    sampling_params: Any
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's samples, as the scheduler takes them: ``sampled_token_ids[req_id_to_index[r]]`` is ``[token]`` for
+    each sampled request (``req_ids``: those whose chunk reached the end of their tokens). Mirrors
+    ``ModelRunnerOutput`` (``vllm/v1/outputs.py``)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    req_id_to_index: dict[str, int] = field(default_factory=dict)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, int]:
+        """``{req_id: token}``: what :meth:`pagedkv.scheduler.Scheduler.update_from_output` takes."""
+        return {rid: toks[0] for rid, toks in zip(self.req_ids, self.sampled_token_ids, strict=True) if toks}
+
+
+class AsyncModelRunnerOutput:
+    """A step's samples while they may still be on their way from the device: :meth:`get_output` waits for them
+    (on a GPU, for the copy into pinned host memory that the forward's stream ends with). Nothing else in a step
+    waits for the device, so the host can schedule and prepare the next step meanwhile. Mirrors
+    ``AsyncOutput`` (``vllm/v1/worker/gpu/async_utils.py``)."""
+
+    def __init__(self, req_ids: list[str], sampled: torch.Tensor, event: Any = None) -> None:
+        self.req_ids = req_ids
+        self._sampled = sampled  # [S] int64 (host memory; pinned on a GPU machine)
+        self._event = event
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._sampled.tolist()
+        return ModelRunnerOutput(list(self.req_ids), {r: i for i, r in enumerate(self.req_ids)},
+                                 [[t] for t in tokens])
+
+
+@dataclass
+class StepTimes:
+    """Host seconds of one ``execute_model``: updating the runner's state and preparing inputs (``prepare_s``),
+    then launching the forward, LM head and sampler (``forward_s``: on a CPU the compute itself; on a GPU only
+    until the launches return, the device runs on)."""
+
+    prepare_s: float
+    forward_s: float
+
+
 class ModelRunner:
-    """Runs a transformers causal LM over the paged KV cache, one scheduler step at a time."""
+    """Runs a transformers causal LM over the paged KV cache, one scheduler step at a time, as vLLM 0.26's Model
+    Runner V2 does (``vllm/v1/worker/gpu/model_runner.py``: ``GPUModelRunner``).
+
+    Per step (:meth:`execute_model`): forget finished and preempted requests, add new and resumed ones, append
+    new block ids to the device :class:`~pagedkv.engine.block_table.BlockTables`, move blocks (swap, copy), build
+    the :class:`InputBatch` on the device (:meth:`prepare_inputs`), run the decoder once, apply the LM head to the
+    sampled rows, sample, and keep the samples on the device (``last_sampled_tokens``) as the next step's decode
+    inputs. ``input_prep="python"`` builds the batch with the plain :func:`prepare_inputs` instead (what the
+    exercises plug into); so does replacing this module's ``prepare_inputs``. ``slot_mapping_impl``: ``"triton"``
+    (:func:`pagedkv.kernels.compute_slot_mappings`; the CUDA default) or ``"torch"`` (the CPU default).
+    """
 
     def __init__(
         self,
@@ -314,18 +504,28 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         use_cuda_graph: bool = False,
         max_num_seqs: int = 256,
+        sampler: Any = None,
+        input_prep: str = "device",
+        slot_mapping_impl: str | None = None,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         """``kv_cache_config`` (lesson 8): the KV cache groups of a hybrid or sliding-window model; the runner then
         allocates one K and one V tensor per ``KVCacheTensor`` (shared by one layer of every group: a block id
         names the same page in each) and gives each group's layers that group's block tables. ``None``: one
-        group, every layer its own tensors, every block kept (lessons 2-7)."""
+        group, every layer its own tensors, every block kept (lessons 2-7). The device block tables hold group 0's
+        tables; the other groups' come from the scheduler output each step."""
+        from pagedkv.engine.block_table import BlockTables
+        from pagedkv.engine.sampler import Sampler, make_generator
+
+        if input_prep not in INPUT_PREPS:
+            raise ValueError(f"input_prep must be one of {INPUT_PREPS}, got {input_prep!r}")
         config = model.config
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = kv_cache_dtype or next(model.parameters()).dtype
         self.block_size = block_size
         self.backend = backend
+        self.input_prep = input_prep
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -356,6 +556,22 @@ class ModelRunner:
              torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin))
             for _ in range(self.num_layers)
         ] if num_cpu_blocks else []
+        # Request slots: with async scheduling a finished request's state goes one step after a new one may
+        # arrive, so there are a few more slots than max_num_seqs.
+        self.max_num_reqs = 2 * max_num_seqs + 2
+        if slot_mapping_impl is None:
+            slot_mapping_impl = "triton" if self.device.type == "cuda" else "torch"
+        self.block_tables = BlockTables(block_size, self.max_num_reqs, self.max_blocks_per_req, self.device,
+                                        slot_mapping_impl)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_slots = list(range(self.max_num_reqs - 1, -1, -1))
+        self.last_sampled_tokens = torch.zeros(self.max_num_reqs, dtype=torch.long, device=self.device)  # [R]
+        # unseeded requests draw from one generator with a fixed seed, so every tensor-parallel rank draws alike
+        self.sampler = sampler if sampler is not None else Sampler(make_generator(0, self.device))
+        # Kept from a request's arrival to its finish, across preemptions (its state is not): the seeded
+        # requests' generators and every request's sampling parameters.
+        self.generators: dict[str, torch.Generator] = {}
+        self.sampling_params: dict[str, Any] = {}
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
         if use_cuda_graph and len(self.group_windows) > 1:
@@ -375,12 +591,67 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
                 warnings.warn(f"CUDA-graph capture failed ({type(exc).__name__}: {exc}); decode runs eagerly",
                               stacklevel=2)
-        self.last_inputs: ModelInputs | None = None  # the latest step's flattened inputs (for lessons)
+        self.last_inputs: InputBatch | None = None  # the latest step's inputs (for lessons)
+        self.last_step_times: StepTimes | None = None
+        self.last_logits: torch.Tensor | None = None  # [S, V]: the latest step's sampled rows (for lessons)
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the GPU-side KV cache (all layers, K and V; a tensor shared by several layers counted once)."""
         return sum(self.kv_caches[i][0].numel() * self.kv_caches[i][0].element_size() * 2 for i in self._tensor_layers)
 
+    # ------------------------------------------------------------------------------------------------
+    # The runner's request states
+    # ------------------------------------------------------------------------------------------------
+    def _remove_request(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_slots.append(state.req_index)
+
+    def _add_request(self, req_id: str, token_ids: list[int], block_ids: Sequence[int], params: Any) -> None:
+        self._remove_request(req_id)
+        if not self._free_slots:
+            raise RuntimeError(f"no request slot left for {req_id!r} ({self.max_num_reqs} slots)")
+        index = self._free_slots.pop()
+        self.requests[req_id] = CachedRequestState(req_id, index, list(token_ids), params)
+        self.sampling_params[req_id] = params
+        self.block_tables.append_block_ids(index, block_ids, overwrite=True)
+        seed = getattr(params, "seed", None)
+        if seed is not None and req_id not in self.generators:
+            from pagedkv.engine.sampler import make_generator
+
+            self.generators[req_id] = make_generator(seed, self.device)
+
+    def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget the requests that finished since the last step (and their generators) and the ones preempted
+        now (their state only: a resumed request is added again, with the tokens it has by then).
+        Mirrors ``GPUModelRunner.finish_requests``."""
+        for rid in scheduler_output.finished_req_ids:
+            self._remove_request(rid)
+            self.generators.pop(rid, None)
+            self.sampling_params.pop(rid, None)
+        for rid in scheduler_output.preempted_req_ids:
+            self._remove_request(rid)
+
+    def add_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """New requests (their prompt and whole block table) and resumed ones (every token so far, and their new
+        table). Mirrors ``GPUModelRunner.add_requests``; Model Runner V2 receives resumed requests as new ones."""
+        for new in scheduler_output.scheduled_new_reqs:
+            self._add_request(new.req_id, new.prompt_token_ids, new.block_ids, new.sampling_params)
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid in cached.resumed_req_ids:
+                self._add_request(rid, cached.all_token_ids[rid], block_ids, self.sampling_params.get(rid))
+
+    def update_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Append each running request's new blocks to its device row. Mirrors ``GPUModelRunner.update_requests``."""
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid not in cached.resumed_req_ids and block_ids:
+                self.block_tables.append_block_ids(self.requests[rid].req_index, block_ids, overwrite=False)
+
+    # ------------------------------------------------------------------------------------------------
+    # Block moves
+    # ------------------------------------------------------------------------------------------------
     def execute_block_moves(self, scheduler_output: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, on every layer's K and V (in that order: a block freed by a
         swap-out can be the destination of a swap-in or a copy in the same step). Mirrors vLLM V0's
@@ -403,42 +674,125 @@ class ModelRunner:
                     dst = (self.kv_caches if dst_gpu else self.cpu_kv_caches)[layer][which]
                     dst[dst_ids.to(dst.device)] = src[src_ids.to(src.device)].to(dst.device)
 
-    def build_metadata(self, inputs: ModelInputs, group: int = 0,
+    # ------------------------------------------------------------------------------------------------
+    # Inputs
+    # ------------------------------------------------------------------------------------------------
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> InputBatch:
+        """The step's :class:`InputBatch`, in scheduling order. On the host, from the scheduler output alone:
+        each request's positions ``num_computed .. num_computed + n - 1``, ``query_start_loc``, ``seq_lens``, the
+        sampled rows, and the input ids of positions the runner was given (``prefill_token_ids``). On the device:
+        the block tables gathered from the persistent rows, the slot mapping computed from them
+        (:meth:`BlockTables.compute_slot_mappings`), and the input id of every position past the given tokens
+        (a decode) read from ``last_sampled_tokens``: the token the previous step sampled, which with async
+        scheduling the host does not know yet. Mirrors ``GPUModelRunner.prepare_inputs`` (Model Runner V2:
+        ``prepare_prefill_inputs``, ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``,
+        ``BlockTables.gather_block_tables`` / ``compute_slot_mappings``)."""
+        so = scheduler_output
+        req_ids = list(so.num_scheduled_tokens)
+        partial = so.partial_prefill_req_ids or set()
+        dev = self.device
+        idx, qsl, seq_lens, positions, input_ids = [], [0], [], [], []
+        sample_req_ids, logits_indices, from_sample_rows, from_sample_idx = [], [], [], []
+        for rid in req_ids:
+            state = self.requests[rid]
+            n = so.num_scheduled_tokens[rid]
+            start = so.num_computed_tokens[rid]
+            given = state.prefill_token_ids
+            row0 = qsl[-1]
+            idx.append(state.req_index)
+            positions.extend(range(start, start + n))
+            input_ids.extend(given[start : start + n])
+            for p in range(max(start, len(given)), start + n):  # past the given tokens: the last sample
+                input_ids.append(0)
+                from_sample_rows.append(row0 + p - start)
+                from_sample_idx.append(state.req_index)
+            qsl.append(row0 + n)
+            seq_lens.append(start + n)
+            if rid not in partial:
+                sample_req_ids.append(rid)
+                logits_indices.append(qsl[-1] - 1)
+
+        def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        idx_t, qsl_t, pos_t = t(idx, torch.int32), t(qsl, torch.int32), t(positions, torch.long)
+        ids_t = t(input_ids, torch.long)
+        if from_sample_rows:
+            ids_t[t(from_sample_rows, torch.long)] = self.last_sampled_tokens[t(from_sample_idx, torch.long)]
+        counts = [qsl[i + 1] - qsl[i] for i in range(len(req_ids))]
+        token_req = torch.tensor(idx, dtype=torch.long).repeat_interleave(torch.tensor(counts)).to(dev)
+        width = -(-max(seq_lens) // self.block_size)
+        return InputBatch(
+            req_ids=req_ids, idx_mapping=idx_t, input_ids=ids_t, positions=pos_t,
+            slot_mapping=self.block_tables.compute_slot_mappings(idx_t, qsl_t, pos_t, token_req),
+            block_tables=self.block_tables.gather_block_tables(idx_t, width),
+            seq_lens=t(seq_lens, torch.int32), query_start_loc=qsl_t, logits_indices=t(logits_indices, torch.long),
+            sample_req_ids=sample_req_ids, seq_lens_host=seq_lens, query_start_loc_host=qsl,
+        )
+
+    def prepare_inputs_python(self, scheduler_output: SchedulerOutput) -> InputBatch:
+        """The same :class:`InputBatch` through the plain :func:`prepare_inputs` (this module's, so a replaced one
+        too): the token lists it reads hold 0 where the runner's last sample goes, patched in on the device."""
+        so = scheduler_output
+        token_ids: dict[str, list[int]] = {}
+        patch_rows, patch_idx = [], []
+        row = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            start = so.num_computed_tokens[rid]
+            given = state.prefill_token_ids
+            token_ids[rid] = list(given) + [0] * max(0, start + n - len(given))
+            for p in range(max(start, len(given)), start + n):
+                patch_rows.append(row + p - start)
+                patch_idx.append(state.req_index)
+            row += n
+        inputs = prepare_inputs(so, token_ids, self.block_size)
+        batch = InputBatch.from_model_inputs(inputs, self.device,
+                                             [self.requests[r].req_index for r in inputs.req_ids])
+        if patch_rows:
+            rows = torch.tensor(patch_rows, dtype=torch.long).to(self.device)
+            src = torch.tensor(patch_idx, dtype=torch.long).to(self.device)
+            batch.input_ids[rows] = self.last_sampled_tokens[src]
+        return batch
+
+    def build_metadata(self, batch: InputBatch, group: int = 0,
                        scheduler_output: SchedulerOutput | None = None) -> AttentionMetadata:
-        """The step's :class:`AttentionMetadata` for KV cache group ``group`` on the runner's device: the
-        group's block tables and slot mapping (``scheduler_output``'s, for a group other than the one
-        ``inputs`` holds), the step's lengths. Mirrors ``FlashAttentionMetadataBuilder.build``, which vLLM
+        """The step's :class:`AttentionMetadata` for KV cache group ``group`` on the runner's device: group 0's
+        block tables and slot mapping from the device batch, another group's from ``scheduler_output``; the torch
+        backend's split of the batch from host ints. Mirrors ``FlashAttentionMetadataBuilder.build``, which vLLM
         calls once per group with that group's ``CommonAttentionMetadata``."""
         dev = self.device
-        block_tables, slot_mapping = inputs.block_tables, inputs.slot_mapping
-        if scheduler_output is not None and len(self.group_windows) > 1:
-            block_tables = [scheduler_output.tables_per_group(r)[group] for r in inputs.req_ids]
-            slot_mapping = [s for r in inputs.req_ids for s in scheduler_output.slots_per_group(r)[group]]
+        qsl = batch.query_start_loc_host
+        seq_lens = batch.seq_lens_host
+        b_count = len(batch.req_ids)
+        tables, slot_mapping = batch.block_tables, batch.slot_mapping
+        if scheduler_output is not None and group > 0:
+            tables = make_block_table_tensor(
+                [scheduler_output.tables_per_group(r)[group] for r in batch.req_ids]).to(dev)  # [B, W]
+            slot_mapping = torch.tensor([s for r in batch.req_ids for s in scheduler_output.slots_per_group(r)[group]],
+                                        dtype=torch.long, device=dev)
         window = self.group_windows[group]
-        tables = make_block_table_tensor(block_tables)  # [B, W]
-        qsl = inputs.query_start_loc
-        decodes = [b for b in range(len(inputs.req_ids)) if qsl[b + 1] - qsl[b] == 1]
-        prefills = [(b, qsl[b], qsl[b + 1], inputs.seq_lens[b]) for b in range(len(inputs.req_ids))
-                    if qsl[b + 1] - qsl[b] > 1]
+        decodes = [b for b in range(b_count) if qsl[b + 1] - qsl[b] == 1]
+        prefills = [(b, qsl[b], qsl[b + 1], seq_lens[b]) for b in range(b_count) if qsl[b + 1] - qsl[b] > 1]
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=inputs.max_query_len,
-            max_seq_len=max(inputs.seq_lens),
+            slot_mapping=slot_mapping,
+            block_tables=tables,
+            seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc,
+            max_query_len=batch.max_query_len,
+            max_seq_len=max(seq_lens),
             kv_caches=self.kv_caches,
             backend=self.backend,
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
             decode_groups=None if self.backend == "triton" or not decodes else [
-                g.to(dev) for g in make_decode_groups(decodes, inputs.seq_lens, tables, qsl, self.block_size,
+                g.to(dev) for g in make_decode_groups(decodes, seq_lens, tables, qsl, self.block_size,
                                                       sliding_window=window)
             ],
             sliding_window=window,
         )
 
-    def build_layer_metadata(self, inputs: ModelInputs,
+    def build_layer_metadata(self, inputs: InputBatch,
                              scheduler_output: SchedulerOutput) -> AttentionMetadata | dict[int, AttentionMetadata]:
         """What the step passes to attention: one :class:`AttentionMetadata`, or with several KV cache groups a
         dict from layer index to its group's (the layers of a group share one object). Mirrors
@@ -451,9 +805,15 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on the sampled positions, ``hidden [S, H]`` -> ``[S, V]``, written into one buffer kept
         across steps (a fresh ``[S, V]`` tensor every step costs a CPU thousands of page faults). The result is
-        valid until the next step: copy it to keep it. Mirrors ``LlamaForCausalLM.compute_logits``
-        (``vllm/model_executor/models/llama.py``), which applies ``LogitsProcessor``
-        (``vllm/model_executor/layers/logits_processor.py``) to the sampled rows only."""
+        valid until the next step: copy it to keep it.
+
+        The lab applies the head to the sampled rows only: a partial prefill's row would be sampled and thrown
+        away. vLLM 0.26 computes logits for every scheduled request, partial prefills included (Model Runner V2:
+        ``total_num_logits = num_reqs`` in ``prepare_inputs``, and ``get_num_sampled_and_rejected`` in
+        ``input_batch.py`` counts a chunked prefill's sample as none; the V1 runner: "we do so for simplicity" in
+        ``gpu_model_runner.py``, then ``discard_request_mask``, rewinding a seeded request's generator). Same
+        tokens either way; the lab saves the head on rows no one keeps.
+        Mirrors ``LlamaForCausalLM.compute_logits`` (``vllm/model_executor/models/llama.py``)."""
         head = self.model.get_output_embeddings()
         s, v = hidden.shape[0], head.weight.shape[0]
         if self._logits is None or self._logits.shape[0] < s:
@@ -466,28 +826,61 @@ class ModelRunner:
             out.div_(cap).tanh_().mul_(cap)
         return out
 
+    # ------------------------------------------------------------------------------------------------
+    # One step
+    # ------------------------------------------------------------------------------------------------
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> torch.Tensor:
+        """One token per sampled row, on the device; each row with its request's parameters and generator."""
+        params = [self.requests[r].sampling_params for r in batch.sample_req_ids]
+        gens = [self.generators.get(r) for r in batch.sample_req_ids]
+        return self.sampler.sample(logits, params, gens)
+
     @torch.no_grad()
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, token_ids: Mapping[str, Sequence[int]]
-    ) -> tuple[list[str], torch.Tensor]:
-        """Run one step: block moves, then one forward over every scheduled token. Returns
-        ``(sample_req_ids, logits [S, V])``: the logits after the last scheduled token of each request whose
-        chunk reached the end of its tokens (partial prefills get none), valid until the next step (they live in
-        :meth:`compute_logits`' buffer). Mirrors ``GPUModelRunner.execute_model``.
-        """
-        self.execute_block_moves(scheduler_output)
-        if scheduler_output.is_empty():
-            return [], torch.empty(0, 0)
-        inputs = prepare_inputs(scheduler_output, token_ids, self.block_size)
-        self.last_inputs = inputs
-        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
-            return inputs.sample_req_ids, self.graph_runner.run(inputs)
-        meta = self.build_layer_metadata(inputs, scheduler_output)
-        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
-        pos = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)[None]  # [1, T]
-        keep = torch.tensor(inputs.logits_indices, dtype=torch.long, device=self.device)  # [S]
-        with attn_implementation(self.model, ATTN_IMPLEMENTATION):
-            hidden = self.model.base_model(
-                input_ids=ids, position_ids=pos, use_cache=False, **{METADATA_KWARG: meta}
-            ).last_hidden_state  # [1, T, H]
-        return inputs.sample_req_ids, self.compute_logits(hidden[0, keep])  # [S, V]
+    def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Run one step and sample: update the request states and device block tables, move blocks, prepare the
+        inputs, one forward over every scheduled token, the LM head on the sampled rows, the sampler. The samples
+        are written to ``last_sampled_tokens`` (the next step's decode inputs, on the device) and copied to the
+        host without waiting: :meth:`AsyncModelRunnerOutput.get_output` waits. Mirrors
+        ``GPUModelRunner.execute_model`` and ``sample_tokens`` (vLLM splits the step in two calls, so that
+        structured output's grammar can be applied in between; the lab has no grammar)."""
+        t0 = time.perf_counter()
+        so = scheduler_output
+        self.finish_requests(so)
+        self.add_requests(so)
+        self.update_requests(so)
+        self.execute_block_moves(so)
+        if so.is_empty():
+            self.last_step_times = StepTimes(time.perf_counter() - t0, 0.0)
+            return AsyncModelRunnerOutput([], torch.empty(0, dtype=torch.long))
+        python_path = self.input_prep == "python" or prepare_inputs is not _PREPARE_INPUTS_REFERENCE
+        batch = self.prepare_inputs_python(so) if python_path else self.prepare_inputs(so)
+        self.last_inputs = batch
+        t1 = time.perf_counter()
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits = self.graph_runner.run(batch)
+        else:
+            meta = self.build_layer_metadata(batch, so)
+            with attn_implementation(self.model, ATTN_IMPLEMENTATION):
+                hidden = self.model.base_model(
+                    input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False,
+                    **{METADATA_KWARG: meta},
+                ).last_hidden_state  # [1, T, H]
+            logits = self.compute_logits(hidden[0, batch.logits_indices])  # [S, V]
+        self.last_logits = logits  # valid until the next step (compute_logits' buffer)
+        sampled = self._sample(batch, logits)  # [S] on the device
+        if batch.sample_req_ids:
+            slots = torch.tensor([self.requests[r].req_index for r in batch.sample_req_ids], dtype=torch.long)
+            self.last_sampled_tokens[slots.to(self.device)] = sampled
+        event = None
+        host = sampled
+        if self.device.type == "cuda":  # a fresh pinned buffer: the previous step's may not be read yet
+            host = torch.empty(sampled.shape[0], dtype=torch.long, pin_memory=True)
+            host.copy_(sampled, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.last_step_times = StepTimes(t1 - t0, time.perf_counter() - t1)
+        return AsyncModelRunnerOutput(list(batch.sample_req_ids), host, event)
+
+
+INPUT_PREPS = ("device", "python")
+_PREPARE_INPUTS_REFERENCE = prepare_inputs

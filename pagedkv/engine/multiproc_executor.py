@@ -367,12 +367,12 @@ class MultiprocExecutor:
         return unify_num_blocks(self.num_blocks_per_rank)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, max_model_len: int,
-                         backend: str, max_num_seqs: int) -> list[tuple[int, ...]]:
+                         backend: str, max_num_seqs: int, seed: int = 0) -> list[tuple[int, ...]]:
         """Every rank allocates ``num_gpu_blocks`` blocks of its KV heads per layer; returns each rank's key-cache
         shape ``(num_blocks, block_size, kv_heads_per_rank, head_dim)``, checked to hold the same block count.
         Mirrors ``MultiprocExecutor.initialize_from_config``."""
         shapes = self.collective_rpc("initialize_cache", (num_gpu_blocks, num_cpu_blocks, block_size, max_model_len,
-                                                          backend, max_num_seqs))
+                                                          backend, max_num_seqs, seed))
         if len({s[0] for s in shapes}) != 1:
             self._fail(f"the ranks allocated different block counts: {shapes}")
         self.kv_cache_shapes = shapes

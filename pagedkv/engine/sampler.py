@@ -4,8 +4,12 @@ Mirrors vLLM 0.26's ``Sampler`` (``vllm/v1/sample/sampler.py``) and ``random_sam
 (``vllm/v1/sample/ops/topk_topp_sampler.py``): instead of ``torch.multinomial`` it draws exponential noise
 ``q`` and takes ``argmax(probs / q)``, which samples from ``probs`` exactly; a request with a seed draws its
 noise from its own ``torch.Generator``, so its tokens depend on nothing else in the batch. The generator is
-advanced only when a token is kept (the runner never samples a partial prefill), so preemption, which
-recomputes KV but keeps the tokens, never changes a seeded request's output.
+advanced only for rows the runner samples: never for a partial prefill (the lab computes no logits there;
+vLLM 0.26 samples those rows too and throws the samples away: Model Runner V2 draws its noise from the seed
+and the position, so it has no generator to advance; the V1 runner rewinds its generator), so preemption,
+which recomputes KV but keeps the tokens, never changes a seeded request's output. With async scheduling a
+request that stops on a token still has one more step in flight; that sample is discarded, and it changes
+nothing kept.
 """
 
 from __future__ import annotations
@@ -52,32 +56,44 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,  # [S, V]
-        params: Sequence[SamplingParams],
+        params: Sequence[SamplingParams | None],
         generators: Sequence[torch.Generator | None],
     ) -> list[int]:
-        """Greedy rows take the argmax of the raw logits (ties: the lowest id, as ``torch.argmax``); the others
-        are divided by their temperature, cut by top-k and top-p, softmaxed and sampled with exponential
-        noise. Returns one token id per row. Mirrors ``Sampler.forward``."""
+        """:meth:`sample`, as a list of token ids (waits for the device)."""
+        return self.sample(logits, params, generators).tolist()
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [S, V]
+        params: Sequence[SamplingParams | None],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Greedy rows (and rows with no parameters) take the argmax of the raw logits (ties: the lowest id, as
+        ``torch.argmax``); the others are divided by their temperature, cut by top-k and top-p, softmaxed and
+        sampled with exponential noise. Returns one token id per row, ``[S]`` int64 on the logits' device; nothing
+        here waits for the device (the top-k/top-p decision is made from the host's parameters).
+        Mirrors ``Sampler.forward``."""
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators")
         if logits.shape[0] == 0:
-            return []
+            return torch.empty(0, dtype=torch.long, device=logits.device)
         logits = logits.float()
         tokens = logits.argmax(dim=-1)  # [S]
-        rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        rows = [i for i, p in enumerate(params) if p is not None and not p.is_greedy]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             sub = logits[idx]  # [R, V]
             temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
             sub = sub / temp[:, None]
-            top_k = torch.tensor([max(params[i].top_k, 0) for i in rows], device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
-            if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-                sub = apply_top_k_top_p(sub, top_k, top_p)
+            ks = [max(params[i].top_k, 0) for i in rows]
+            ps = [params[i].top_p for i in rows]
+            if any(k > 0 for k in ks) or any(p < 1.0 for p in ps):
+                sub = apply_top_k_top_p(sub, torch.tensor(ks, device=logits.device),
+                                        torch.tensor(ps, device=logits.device))
             probs = sub.softmax(dim=-1)
             q = torch.empty_like(probs)
             for j, i in enumerate(rows):
                 gen = generators[i] if generators[i] is not None else self.generator
                 q[j].exponential_(generator=gen)
             tokens[idx] = probs.div_(q).argmax(dim=-1)
-        return tokens.tolist()
+        return tokens

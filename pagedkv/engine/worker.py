@@ -11,6 +11,7 @@ model. Mirrors vLLM 0.26's ``Worker`` (``vllm/v1/worker/gpu_worker.py``: ``load_
 
 from __future__ import annotations
 
+import inspect
 import io
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -94,13 +95,19 @@ class Worker:
         return max(0, int(kv_cache_memory_bytes) // self.block_bytes(block_size))
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, max_model_len: int,
-                         backend: str, max_num_seqs: int) -> tuple[int, ...]:
-        """Allocate this rank's cache with the engine's block count and build its runner. Returns one layer's
-        key-cache shape, ``(num_blocks, block_size, kv_heads_per_rank, head_dim)``. Mirrors
+                         backend: str, max_num_seqs: int, seed: int = 0) -> tuple[int, ...]:
+        """Allocate this rank's cache with the engine's block count and build its runner (a runner that samples
+        gets the engine's ``seed``: every rank then draws the same tokens from the same gathered logits). Returns
+        one layer's key-cache shape, ``(num_blocks, block_size, kv_heads_per_rank, head_dim)``. Mirrors
         ``Worker.initialize_from_config``."""
+        kwargs: dict[str, Any] = {}
+        if "sampler" in inspect.signature(ModelRunner).parameters:
+            from pagedkv.engine.sampler import Sampler, make_generator
+
+            kwargs["sampler"] = Sampler(make_generator(seed, self.device))
         self.runner = TPModelRunner(self.model, num_gpu_blocks=num_gpu_blocks, block_size=block_size,
                                     max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks, backend=backend,
-                                    use_cuda_graph=False, max_num_seqs=max_num_seqs)
+                                    use_cuda_graph=False, max_num_seqs=max_num_seqs, **kwargs)
         return tuple(self.runner.kv_caches[0][0].shape)
 
     def kv_cache_bytes(self) -> int:

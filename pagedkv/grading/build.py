@@ -123,14 +123,17 @@ class BuiltSet:
 
 
 def find_sources(root: Path, names: list[str] | None = None) -> list[Path]:
-    """``grading/source/NN_name.ipynb`` files, sorted; ``names`` (``01`` or ``01_fragmentation``) selects."""
+    """``grading/source/NN_name.ipynb`` files, sorted; ``names`` (``01``, ``1`` or ``01_fragmentation``) selects.
+    A name that matches no source raises ValueError, listing the sets that exist."""
     sources = sorted(p for p in (root / "grading" / "source").glob("*.ipynb") if SET_NAME.match(p.stem))
     if names:
-        wanted = set(names)
+        wanted = {n.zfill(2) if n.isdigit() else n: n for n in names}  # 8 -> 08: the number without its zero
         picked = [p for p in sources if p.stem in wanted or p.stem[:2] in wanted]
-        unknown = wanted - {p.stem for p in picked} - {p.stem[:2] for p in picked}
+        found = {p.stem for p in picked} | {p.stem[:2] for p in picked}
+        unknown = [typed for key, typed in wanted.items() if key not in found]
         if unknown:
-            raise ValueError(f"no exercise source named {sorted(unknown)} in grading/source/")
+            there = ", ".join(p.stem for p in sources) or "none"
+            raise ValueError(f"no exercise source named {', '.join(unknown)} in grading/source/ (the sets: {there})")
         return picked
     return sources
 

@@ -31,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "STUB_NOTE",
     "CallTimeout",
     "describe",
     "expect_close",
@@ -45,6 +46,9 @@ __all__ = [
 
 #: Seconds one call of the learner's code may take before it counts as an infinite loop.
 DEFAULT_TIMEOUT = 5.0
+
+#: What a failure adds when the learner's function returned None where a value was expected.
+STUB_NOTE = "Is the function still the stub (...), or is a `return` missing?"
 
 Hint = str | Callable[[Any], str | None] | None
 _SIZED = (list, tuple, dict, set, str, bytes)
@@ -275,7 +279,7 @@ def expect_equal(
         return got
     message = f"{label} returned {describe(got)}, expected {describe(expected)}"
     if got is None and expected is not None:
-        message += ". Is the function still the stub (...), or is a `return` missing?"
+        message += f". {STUB_NOTE}"
     elif why != "wrong value":
         message += f" ({why})"
     hint_text = _hint_text(hint, got)

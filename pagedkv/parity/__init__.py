@@ -21,6 +21,9 @@ Drivers (:mod:`pagedkv.parity.workloads`):
   ``HybridKVCacheCoordinator``/``UnitaryKVCacheCoordinator`` against the lab's: prefix sharing, chunked
   prefill and decodes past the window, frees and evictions; block ids per group, hit lengths and free
   counts after every operation, and the scheduler step for step.
+- ``async_scheduler`` (lesson 7): the same workloads through the ``AsyncScheduler``, called in the order vLLM
+  0.26's ``EngineCore.step_with_batch_queue`` calls it (schedule N+1, then update N): scheduled tokens, output
+  placeholders, preemptions, block tables, and which samples are kept after every call.
 
 ``impl`` may be a ``BlockPool``-, ``KVCacheManager``- or ``Scheduler``-compatible class (yours), run on the
 lab's side in place of the library's.
@@ -29,7 +32,7 @@ lab's side in place of the library's.
     >>> print(parity.check(3, seeds=20))          # doctest: +SKIP
     The library agrees with vLLM 0.26 on 20 random workloads: block pool + KV cache manager ...
 
-Command line: ``python -m pagedkv.parity [--lesson 2|3|4|8] [--seeds N]``.
+Command line: ``python -m pagedkv.parity [--lesson 2|3|4|7|8] [--seeds N]``.
 """
 
 from __future__ import annotations
@@ -58,13 +61,13 @@ def available() -> tuple[bool, str]:
 def check(lesson: int, seeds: int = 20, impl: Any = None) -> ParityReport:
     """Drive vLLM 0.26 and the lab (or ``impl``, your class) through ``seeds`` random workloads of
     ``lesson``'s driver (2: block pool and manager, prefix caching off; 3: with prefix caching; 4: the
-    scheduler; 8: manager and scheduler over hybrid KV cache groups) and report: ``print(report)`` says
-    "agrees with vLLM 0.26 on N random workloads" or shows the first diverging step with both sides' block
-    tables; ``report.ok`` is the verdict. When vLLM's sources cannot be fetched (offline, unsupported
-    platform) the report says why (``report.skipped``) instead of raising. ``ValueError`` for a lesson other
-    than 2, 3, 4, 8 or a seed count below 1. For lesson 8, ``impl`` is a ``KVCacheManager``-compatible class
-    built as ``impl(kv_cache_config, max_model_len=..., max_in_flight_tokens=..., enable_caching=...)``, or a
-    ``Scheduler``-compatible one."""
+    scheduler; 7: the async scheduler, two batches in flight; 8: manager and scheduler over hybrid KV cache
+    groups) and report: ``print(report)`` says "agrees with vLLM 0.26 on N random workloads" or shows the
+    first diverging step with both sides' block tables; ``report.ok`` is the verdict. When vLLM's sources
+    cannot be fetched (offline, unsupported platform) the report says why (``report.skipped``) instead of
+    raising. ``ValueError`` for a lesson other than 2, 3, 4, 7, 8 or a seed count below 1. For lesson 8,
+    ``impl`` is a ``KVCacheManager``-compatible class built as ``impl(kv_cache_config, max_model_len=...,
+    max_in_flight_tokens=..., enable_caching=...)``, or a ``Scheduler``-compatible one."""
     from pagedkv.parity.runner import LESSON_DRIVERS, run
 
     if isinstance(lesson, bool) or lesson not in LESSON_DRIVERS:

@@ -1,4 +1,4 @@
-"""``python -m pagedkv.parity [--lesson 2|3|4|8] [--seeds N]``: check the library against vLLM 0.26 (every
+"""``python -m pagedkv.parity [--lesson 2|3|4|7|8] [--seeds N]``: check the library against vLLM 0.26 (every
 lesson's driver when no ``--lesson`` is given). Exit status 0 when every workload agreed, 1 on a divergence,
 2 when vLLM's sources could not be fetched."""
 

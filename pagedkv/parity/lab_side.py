@@ -231,3 +231,69 @@ class LabSchedulerSide:
             }
         except Exception as exc:
             return error_obs(exc)
+
+
+class LabAsyncSchedulerSide:
+    """The lab's ``AsyncScheduler`` (or ``impl``, a learner's class with the same constructor) as the async driver
+    calls it: ``schedule`` and ``update`` apart, two batches in flight (``workloads.run_async_scheduler``)."""
+
+    def __init__(self, cfg: SchedulerConfig, impl: Any = None) -> None:
+        from pagedkv.async_scheduler import AsyncScheduler
+
+        factory = impl if impl is not None and is_scheduler_factory(impl) else AsyncScheduler
+        manager = make_manager(cfg, None if factory is not AsyncScheduler else impl)
+        self.scheduler = factory(manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, eos_token_id: int | None = None) -> None:
+        request = Request(rid, prompt, max_tokens=max_tokens, eos_token_id=eos_token_id)
+        self.requests[rid] = request
+        self.scheduler.add_request(request)
+
+    def has_requests(self) -> bool:
+        s = self.scheduler
+        return bool(s.has_unfinished_requests() or s.has_finished_requests())
+
+    def _placeholders(self, rids: Any) -> dict[str, int]:
+        return {rid: int(self.requests[rid].num_output_placeholders) for rid in rids}
+
+    def schedule(self) -> tuple[Any, dict[str, Any]]:
+        s = self.scheduler
+        try:
+            out = s.schedule()
+            scheduled = [[rid, int(n)] for rid, n in out.num_scheduled_tokens.items()]
+            manager = s.kv_cache_manager
+            ids = [rid for rid, _ in scheduled]
+            sampled = [rid for rid in ids if rid not in (out.partial_prefill_req_ids or set())]
+            preempted = sorted(out.preempted_req_ids)
+            obs = {
+                "num_tokens": int(out.total_num_scheduled_tokens),
+                "scheduled": scheduled,
+                "starts": {rid: int(self.requests[rid].num_computed_tokens) - n for rid, n in scheduled},
+                "preempted": preempted,
+                "tables": {rid: [int(b) for b in manager.get_block_ids(rid)] for rid in ids},
+                "placeholders": self._placeholders(ids + preempted),
+                "finished_req_ids": sorted(out.finished_req_ids),
+                "num_free": int(manager.block_pool.get_num_free_blocks()),
+            }
+            return (out, sampled), obs
+        except Exception as exc:
+            return None, error_obs(exc)
+
+    def update(self, handle: Any, sample: Callable[[Sequence[int]], int]) -> dict[str, Any]:
+        s = self.scheduler
+        try:
+            out, sampled = handle
+            ids = list(out.num_scheduled_tokens)
+            before = {rid: len(self.requests[rid].output_token_ids) for rid in ids}
+            samples = {rid: sample(self.requests[rid].all_token_ids) for rid in sampled if rid in s.requests}
+            s.update_from_output(out, samples)
+            kept = {rid: list(self.requests[rid].output_token_ids[n:]) for rid, n in before.items()}
+            return {
+                "kept": {rid: toks for rid, toks in kept.items() if toks},
+                "finished": sorted(rid for rid in ids if self.requests[rid].is_finished()),
+                "placeholders": self._placeholders(rid for rid in ids if not self.requests[rid].is_finished()),
+                "num_free": int(s.kv_cache_manager.block_pool.get_num_free_blocks()),
+            }
+        except Exception as exc:
+            return error_obs(exc)

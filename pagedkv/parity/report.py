@@ -15,6 +15,8 @@ DRIVER_DESCRIPTIONS = {
     "hit lengths and free counts after every operation",
     "hybrid_scheduler": "scheduler over full + sliding-window groups (and all-sliding): scheduled tokens, "
     "preemptions, block tables per group and kept outputs after every step",
+    "async_scheduler": "async scheduler driven as step_with_batch_queue drives it (two batches in flight): "
+    "scheduled tokens, placeholders, preemptions, block tables, kept and discarded samples after every call",
 }
 
 
@@ -35,7 +37,7 @@ class Divergence:
         for side, obs in ((0, self.vllm), (1, self.lab)):
             if not obs:
                 continue
-            tables = dict(obs.get("tables", {}))
+            tables = dict(obs.get("tables", obs.get("schedule", {}).get("tables", {})))
             if "table" in obs and "rid" in self.op:
                 tables[self.op["rid"]] = obs["table"]
             for rid, table in tables.items():

@@ -23,6 +23,7 @@ LESSON_DRIVERS: dict[int, list[tuple[str, bool | None]]] = {
     2: [("manager", False)],
     3: [("manager", True)],
     4: [("scheduler", None)],
+    7: [("async_scheduler", None)],
     8: [("hybrid_manager", None), ("hybrid_scheduler", None)],
 }
 WORKER_TIMEOUT_S = 1200.0
@@ -107,10 +108,11 @@ def compare(
 
 
 def _lab_trace(name: str, seed: int, enable_caching: bool | None, impl: Any) -> tuple[dict[str, Any], list]:
-    from pagedkv.parity.lab_side import LabHybridManagerSide, LabManagerSide, LabSchedulerSide
+    from pagedkv.parity.lab_side import LabAsyncSchedulerSide, LabHybridManagerSide, LabManagerSide, LabSchedulerSide
 
     cfg, drive = workloads.driver(name, seed, enable_caching)
-    side_cls = {"manager": LabManagerSide, "hybrid_manager": LabHybridManagerSide}.get(name, LabSchedulerSide)
+    side_cls = {"manager": LabManagerSide, "hybrid_manager": LabHybridManagerSide,
+                "async_scheduler": LabAsyncSchedulerSide}.get(name, LabSchedulerSide)
     try:
         side = side_cls(cfg, impl)
     except Exception as exc:  # noqa: BLE001 - a learner's constructor failing is a divergence at entry 0
@@ -122,6 +124,8 @@ def who(impl: Any, lessons: list[int]) -> str:
     if impl is not None:
         target = getattr(impl, "func", impl)  # a functools.partial names its function
         return f"Your {getattr(target, '__name__', type(target).__name__)}"
+    if lessons == [7]:
+        return "The library's AsyncScheduler"
     return "The library's Scheduler" if lessons == [4] else "The library"
 
 

@@ -22,6 +22,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -59,8 +60,11 @@ def group_tables(rid: str, block_ids) -> dict[str, list[int]]:
     return {f"{rid}.g{g}": [int(b) for b in ids] for g, ids in enumerate(block_ids)}
 
 
-def make_request(rid: str, tokens: list[int], max_tokens: int, block_size: int) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+def make_request(rid: str, tokens: list[int], max_tokens: int, block_size: int,
+                 eos_token_id: int | None = None) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=eos_token_id is None)
+    if eos_token_id is not None:  # what the engine's input processor does with the tokenizer's EOS
+        params.update_from_generation_config({}, eos_token_id)
     return Request(rid, list(tokens), params, None, block_hasher=get_request_block_hasher(block_size, sha256))
 
 
@@ -185,7 +189,7 @@ class VllmHybridManagerSide(ManagerSideBase):
             return error_obs(exc)
 
 
-def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig) -> Scheduler:
+def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig, async_scheduling: bool = False) -> Scheduler:
     sched = VllmSchedulerConfig(
         max_model_len=MAX_MODEL_LEN,
         is_encoder_decoder=False,
@@ -194,6 +198,7 @@ def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig) -> Scheduler:
         policy="fcfs",
         scheduler_reserve_full_isl=True,
         enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
     )
     cache = CacheConfig(block_size=cfg.block_size, enable_prefix_caching=cfg.enable_caching)
     cache.num_gpu_blocks = cfg.num_blocks
@@ -221,15 +226,16 @@ def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig) -> Scheduler:
         # What VllmConfig.max_in_flight_tokens is (max_concurrent_batches · max_num_batched_tokens); the
         # lessons 2-4 drivers keep None (no sliding group reads it).
         max_in_flight_tokens=cfg.max_num_batched_tokens if hybrid else None,
-        use_v2_model_runner=False,
-        max_concurrent_batches=1,
+        # async: what 0.26 runs for dense models (Model Runner V2, two batches in flight)
+        use_v2_model_runner=async_scheduling,
+        max_concurrent_batches=2 if async_scheduling else 1,
     )
     kv_config = (
         hybrid_kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.groups)  # type: ignore[union-attr]
         if hybrid
         else kv_cache_config(cfg.num_blocks, cfg.block_size)
     )
-    return Scheduler(
+    return (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config,
         kv_config,
         structured_output_manager=_NoStructuredOutput(),
@@ -282,6 +288,68 @@ class VllmSchedulerSide:
                 "tables": tables,
                 "kept": {rid: toks for rid, toks in kept.items() if toks},
                 "finished": sorted(rid for rid in ids if self.requests[rid].is_finished()),
+                "num_free": int(s.kv_cache_manager.block_pool.get_num_free_blocks()),
+            }
+        except Exception as exc:
+            return error_obs(exc)
+
+
+class VllmAsyncSchedulerSide:
+    """vLLM 0.26's ``AsyncScheduler``, called as ``EngineCore.step_with_batch_queue`` calls it."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.scheduler = make_scheduler(cfg, async_scheduling=True)
+        self.requests: dict[str, Request] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, eos_token_id: int | None = None) -> None:
+        request = make_request(rid, prompt, max_tokens, self.cfg.block_size, eos_token_id)
+        self.requests[rid] = request
+        self.scheduler.add_request(request)
+
+    def has_requests(self) -> bool:
+        return bool(self.scheduler.has_requests())
+
+    def _placeholders(self, rids: Any) -> dict[str, int]:
+        return {rid: int(self.requests[rid].num_output_placeholders) for rid in rids}
+
+    def schedule(self) -> tuple[Any, dict[str, Any]]:
+        s = self.scheduler
+        try:
+            out = s.schedule()
+            scheduled = [[rid, int(n)] for rid, n in out.num_scheduled_tokens.items()]
+            ids = [rid for rid, _ in scheduled]
+            sampled = [rid for rid in ids if not self.requests[rid].is_prefill_chunk]
+            preempted = sorted(out.preempted_req_ids or ())
+            obs = {
+                "num_tokens": int(out.total_num_scheduled_tokens),
+                "scheduled": scheduled,
+                "starts": {rid: int(self.requests[rid].num_computed_tokens) - n for rid, n in scheduled},
+                "preempted": preempted,
+                "tables": {rid: [int(b) for b in s.kv_cache_manager.get_block_ids(rid)[0]] for rid in ids},
+                "placeholders": self._placeholders(ids + preempted),
+                "finished_req_ids": sorted(out.finished_req_ids),
+                "num_free": int(s.kv_cache_manager.block_pool.get_num_free_blocks()),
+            }
+            return (out, sampled), obs
+        except Exception as exc:
+            return None, error_obs(exc)
+
+    def update(self, handle: Any, sample: Callable[[Sequence[int]], int]) -> dict[str, Any]:
+        s = self.scheduler
+        try:
+            out, sampled = handle
+            ids = list(out.num_scheduled_tokens)
+            before = {rid: len(self.requests[rid].output_token_ids) for rid in ids}
+            alive = {rid for rid in sampled if rid in s.requests and not self.requests[rid].is_finished()}
+            tokens = [[sample(list(self.requests[rid].all_token_ids))] if rid in alive else [] for rid in ids]
+            s.update_from_output(out, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=tokens))
+            kept = {rid: [int(t) for t in self.requests[rid].output_token_ids[n:]] for rid, n in before.items()}
+            return {
+                "kept": {rid: toks for rid, toks in kept.items() if toks},
+                "finished": sorted(rid for rid in ids if self.requests[rid].is_finished()),
+                "placeholders": self._placeholders(rid for rid in ids if not self.requests[rid].is_finished()),
                 "num_free": int(s.kv_cache_manager.block_pool.get_num_free_blocks()),
             }
         except Exception as exc:

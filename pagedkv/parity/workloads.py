@@ -14,13 +14,15 @@ Side interfaces:
   (append one token and allocate its slot), ``free(rid) -> obs``, ``reset() -> obs``;
 - scheduler side (driver ``"scheduler"``): ``add(rid, prompt, max_tokens)``, ``step(sample) -> obs`` (one
   ``schedule()`` then ``update_from_output()`` with ``sample(tokens)`` for every request whose chunk reached
-  the end of its tokens), ``has_unfinished() -> bool``.
+  the end of its tokens), ``has_unfinished() -> bool``;
 - hybrid manager side (driver ``"hybrid_manager"``, lesson 8: KV cache groups of full and sliding-window
   attention on one pool): ``admit(rid, tokens, chunk, full_sequence_must_fit) -> obs`` (look up the prefix
   cache, allocate the hits and ``chunk`` tokens), ``grow(rid, new_tokens, num_new) -> obs`` (append
   ``new_tokens``, then allocate ``num_new`` more tokens: a prefill chunk or decodes), ``free(rid)``,
   ``reset()``; block ids per group (``tables`` keyed ``"rid.gG"``), hit lengths and free counts;
-- hybrid scheduler side (driver ``"hybrid_scheduler"``): as the scheduler side, over a hybrid config.
+- hybrid scheduler side (driver ``"hybrid_scheduler"``): as the scheduler side, over a hybrid config;
+- async scheduler side (driver ``"async_scheduler"``, :func:`run_async_scheduler`): ``schedule()`` and
+  ``update()`` called apart, in ``step_with_batch_queue``'s order, two batches in flight.
 """
 
 from __future__ import annotations
@@ -185,6 +187,55 @@ def run_scheduler(
         obs["arrived"] = [rid for rid, *_ in arrived]
         trace.append({"op": {"op": "step", "step": step}, "obs": obs})
         if "error" in obs:
+            break
+    return trace
+
+
+def stop_token(rng: random.Random, prompt: list[int], max_tokens: int) -> int | None:
+    """An EOS for about half the requests: a token the fake model generates for this prompt before
+    ``max_tokens`` (it does not depend on the schedule), so the request stops early, with a step in flight."""
+    if max_tokens < 2 or rng.random() < 0.5:
+        return None
+    tokens = list(prompt)
+    for _ in range(rng.randint(1, max_tokens - 1)):
+        tokens.append(sample_token(tokens))
+    return tokens[-1]
+
+
+def run_async_scheduler(side: Any, seed: int, cfg: SchedulerConfig, max_calls: int = 800) -> list[dict[str, Any]]:
+    """Drive an async scheduler side as ``EngineCore.step_with_batch_queue`` drives vLLM 0.26's ``AsyncScheduler``
+    (two batches in flight): each call schedules a batch when there are requests, and returns at once while the
+    queue holds fewer than two and something was scheduled or is left; otherwise it takes the oldest batch's
+    samples (``update``). One record per call; the same requests and arrivals (counted in calls) as
+    :func:`run_scheduler`, about half of them with an EOS token they reach (:func:`stop_token`). Side interface:
+    ``add(rid, prompt, max_tokens, eos_token_id)``, ``has_requests() -> bool``,
+    ``schedule() -> (handle, obs)`` (``obs["num_tokens"]``: tokens scheduled), ``update(handle, sample) -> obs``
+    (``sample(all_token_ids)`` for every request the batch samples)."""
+    requests = scheduler_requests(seed, cfg)
+    rng = random.Random(f"async-eos-{seed}")
+    trace: list[dict[str, Any]] = []
+    last_arrival = max(a for a, *_ in requests)
+    queue: list[Any] = []  # the batch queue, newest first
+    for call in range(max_calls):
+        arrived = [(rid, prompt, max_tokens) for a, rid, prompt, max_tokens in requests if a == call]
+        for rid, prompt, max_tokens in arrived:
+            side.add(rid, prompt, max_tokens, stop_token(rng, prompt, max_tokens))
+        has_requests = side.has_requests()
+        if call > last_arrival and not has_requests and not queue:
+            break
+        obs: dict[str, Any] = {"arrived": [rid for rid, *_ in arrived]}
+        trace.append({"op": {"op": "step_with_batch_queue", "call": call}, "obs": obs})
+        if has_requests:
+            handle, obs["schedule"] = side.schedule()
+            if "error" in obs["schedule"]:
+                break
+            queue.insert(0, handle)
+            if len(queue) < 2 and (obs["schedule"]["num_tokens"] > 0 or side.has_requests()):
+                continue  # don't block on the batch in flight
+        elif not queue:
+            continue
+        obs["update"] = side.update(queue.pop(), sample_token)
+        if "error" in obs["update"]:
             break
     return trace
 
@@ -377,4 +428,6 @@ def driver(name: str, seed: int, enable_caching: bool | None) -> tuple[Any, Any]
         return hybrid_manager_config(seed), run_hybrid_manager
     if name == "hybrid_scheduler":
         return hybrid_scheduler_config(seed), run_hybrid_scheduler
+    if name == "async_scheduler":
+        return scheduler_config(seed), run_async_scheduler
     raise ValueError(f"unknown parity driver {name!r}")
