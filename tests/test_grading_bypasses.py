@@ -77,7 +77,8 @@ EVICTING_POOL = '''class EvictingBlockPool(BlockPool):
 
 # --------------------------------------------------------------------------------------------------- set 01
 SET01 = {
-    # cdiv (math_utils, also reached as kv_cache_manager.cdiv) is blocks_needed without the checks; then the checks' own expected values
+    # cdiv (math_utils; also reached as kv_cache_manager.cdiv) is blocks_needed without the checks;
+    # then the checks' own expected values
     "blocks_needed": ORACLE + '''
 _replayed_bn = _replay_checks("pagedkv.grading.lessons.l01_fragmentation",
                            ["check_blocks_needed_examples", "check_blocks_needed_random", "check_blocks_needed_hidden"])
