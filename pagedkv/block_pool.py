@@ -14,15 +14,15 @@ from pagedkv.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     builtin_hash,
+    generate_block_hash_extra_keys,
     make_block_hash_with_group_id,
-    short_hash,
     update_block_hashes,
 )
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pagedkv.utils import check_int
 
 if TYPE_CHECKING:
     from pagedkv.request import Request
-    from pagedkv.trace import EventTrace
 
 
 class BlockPool:
@@ -33,9 +33,13 @@ class BlockPool:
     free queue with ``ref_cnt == 0`` or held by ``ref_cnt`` requests. A free block may still hold a cached
     prefix (its ``block_hash`` is set and it is in ``cached_block_hash_to_block``): it stays reusable by a
     cache hit until it is popped for a new allocation, and only then is it evicted.
+
+    With ``enable_kv_cache_events`` the pool records what enters and leaves the prefix cache
+    (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, ``pagedkv.kv_events``) in ``kv_event_queue``,
+    drained by ``take_events()``, as vLLM 0.26's ``BlockPool`` does.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False) -> None:
         num_blocks = check_int(num_blocks, "num_blocks", 1, why="block 0 is the null block")
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -47,11 +51,8 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.num_evictions = 0
-        self.trace: EventTrace | None = None
-        # When a KV cache manager drives the pool it sets this, and records the evictions itself once the
-        # evicted blocks sit in a block table (so a trace listener never sees a half-done allocation).
-        self.defer_eviction_events = False
-        self.deferred_evictions: list[tuple[int, BlockHash]] = []
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     # --- prefix cache lookups -----------------------------------------------------------------------
     @overload
@@ -105,7 +106,8 @@ class BlockPool:
         caller that does not may pass ``block_size`` (and ``hash_fn``) to have the missing hashes computed.
         Null blocks (a sliding-window table's released entries) are skipped. ``kv_cache_group_id`` keys the
         entry by group (``make_block_hash_with_group_id``): in a hybrid model each group caches its own block
-        of a prefix. Mirrors ``BlockPool.cache_full_blocks``.
+        of a prefix. With events enabled, one ``BlockStored`` names the blocks cached. Mirrors
+        ``BlockPool.cache_full_blocks``.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -123,9 +125,30 @@ class BlockPool:
             block_hash = make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)
             block.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
-            cached.append(block.block_id)
-        if self.trace is not None and cached:
-            self.trace.record("cache", request.request_id, cached, f"{request.request_id} caches full blocks {cached}")
+            cached.append(i)
+        if self.enable_kv_cache_events and cached:
+            # The block size the hashes were made with (update_block_hashes records it); 0 if unknown.
+            size = block_size or (request.block_hasher_key or (0,))[0]
+            self.kv_event_queue.append(self._block_stored(request, blocks, cached, size, kv_cache_group_id))
+
+    def _block_stored(
+        self, request: Request, blocks: Sequence[KVCacheBlock], positions: list[int], block_size: int, group_id: int
+    ) -> BlockStored:
+        """The ``BlockStored`` of the blocks at ``positions`` of a request's table: their hashes, their
+        tokens, the hash before the first one. Mirrors ``BlockPool._build_block_stored_event``."""
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        extra_keys = [generate_block_hash_extra_keys(request, i) for i in positions]
+        return BlockStored(
+            block_hashes=[hashes[i] for i in positions],
+            parent_block_hash=hashes[positions[0] - 1] if positions[0] > 0 else None,
+            token_ids=[t for i in positions for t in tokens[i * block_size : (i + 1) * block_size]],
+            block_size=block_size,
+            lora_id=request.lora_id,
+            extra_keys=extra_keys if any(k is not None for k in extra_keys) else None,
+            group_idx=group_id,
+            block_ids=[blocks[i].block_id for i in positions],
+            request_id=request.request_id,
+        )
 
     # --- allocation ---------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -149,7 +172,8 @@ class BlockPool:
         return ret
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """If ``block`` holds a cached prefix, forget it. Mirrors ``BlockPool._maybe_evict_cached_block``."""
+        """If ``block`` holds a cached prefix, forget it (a ``BlockRemoved`` event when events are on). Mirrors
+        ``BlockPool._maybe_evict_cached_block``."""
         block_hash = block.block_hash
         if block_hash is None:
             return False
@@ -160,11 +184,9 @@ class BlockPool:
                 del self.cached_block_hash_to_block[block_hash]
         block.reset_hash()
         self.num_evictions += 1
-        if self.trace is not None:
-            if self.defer_eviction_events:
-                self.deferred_evictions.append((block.block_id, block_hash))
-            else:
-                self.record_eviction(block.block_id, block_hash)
+        if self.enable_kv_cache_events:
+            raw, group_id = block_hash if isinstance(block_hash, tuple) else (block_hash, 0)
+            self.kv_event_queue.append(BlockRemoved(block_hashes=[raw], group_idx=group_id, block_ids=[block.block_id]))
         return True
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -178,14 +200,6 @@ class BlockPool:
             check_int(block_id, "a block id to evict", 1, n - 1, why="the usable blocks of this pool")
         for block_id in ids:
             self._maybe_evict_cached_block(self.blocks[block_id])
-
-    def record_eviction(self, block_id: int, block_hash: BlockHash, request_id: str | None = None) -> None:
-        """Record an ``evict`` event (when tracing)."""
-        if self.trace is not None:
-            by = f" for {request_id}" if request_id is not None else ""
-            self.trace.record(
-                "evict", request_id, [block_id], f"block {block_id} evicted{by} (held prefix {short_hash(block_hash)})"
-            )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a cache hit): ``ref_cnt + 1``; a block that was free (ref_cnt 0,
@@ -251,17 +265,26 @@ class BlockPool:
 
     # --- whole-pool operations ----------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix. Refuses (returns ``False``, changes nothing) while any request holds
-        blocks, since their hashes are still in use. Mirrors ``BlockPool.reset_prefix_cache``."""
+        """Forget every cached prefix (an ``AllBlocksCleared`` event when events are on). Refuses (returns
+        ``False``, changes nothing) while any request holds blocks, since their hashes are still in use.
+        Mirrors ``BlockPool.reset_prefix_cache``."""
         num_used = self.num_gpu_blocks - 1 - self.get_num_free_blocks()
         if num_used > 0:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
-        if self.trace is not None:
-            self.trace.record("reset", None, [], "prefix cache reset: every hash forgotten")
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return the events recorded since the last call, oldest first, and empty the queue (``[]`` when
+        events are off). Mirrors ``BlockPool.take_events``."""
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def get_num_free_blocks(self) -> int:
         """Free blocks, cached ones included (they are reusable). Mirrors ``BlockPool.get_num_free_blocks``."""

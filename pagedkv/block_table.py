@@ -5,7 +5,11 @@ A block table is a request's page table: entry ``i`` is the physical block holdi
 ``block_table[p // block_size] * block_size + p % block_size`` of the flattened cache
 ``[num_blocks * block_size, num_kv_heads, head_dim]``. The slot mapping of a step (one slot per scheduled
 token) is what ``pagedkv.kernels.reshape_and_cache`` consumes to write the new K and V.
-Mirrors ``vllm/v1/worker/block_table.py`` (``BlockTable.compute_slot_mapping``).
+Mirrors the host-side computation of vLLM 0.26's V1 runner (``vllm/v1/worker/block_table.py``,
+``BlockTable.compute_slot_mapping``), which 0.26 runs for MoE and Mamba-hybrid models. For dense models 0.26 runs
+Model Runner V2, which computes the slots on the GPU (``vllm/v1/worker/gpu/block_table.py``,
+``BlockTables.compute_slot_mappings``, the Triton ``_compute_slot_mappings_kernel``): the lab's engine does that in
+:mod:`pagedkv.engine.block_table`.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ def make_block_table_tensor(
     """Pad a batch's block tables into the kernel's ``int32 [B, max_num_blocks]`` tensor (padding 0, the
     null block, which the kernel never reads because it stops at ``seq_lens``); ``max_num_blocks`` defaults to
     the longest table. Built in one ``torch.tensor`` call (the engine builds one every step). vLLM 0.26 keeps
-    a preallocated ``[max_num_reqs, max_num_blocks]`` buffer instead and hands out its first rows
-    (``BlockTable.get_device_tensor``, ``vllm/v1/worker/block_table.py``)."""
+    a preallocated ``[max_num_reqs, max_num_blocks]`` buffer instead: Model Runner V2 gathers the scheduled
+    requests' rows from it on the GPU (``BlockTables.gather_block_tables``, ``vllm/v1/worker/gpu/block_table.py``),
+    the V1 runner hands out its first rows (``BlockTable.get_device_tensor``, ``vllm/v1/worker/block_table.py``)."""
     import torch
 
     width = max((len(t) for t in block_tables), default=0) if max_num_blocks is None else max_num_blocks

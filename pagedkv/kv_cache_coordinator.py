@@ -49,7 +49,6 @@ class KVCacheCoordinator:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
-        self.block_pool.defer_eviction_events = True
         self.max_in_flight_tokens = max_in_flight_tokens
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedkv.block_pool import BlockPool
@@ -35,6 +35,16 @@ from pagedkv.kv_cache_utils import (
     get_hash_fn,
     short_hash,
     update_block_hashes,
+)
+from pagedkv.kv_events import (
+    BlockCopied,
+    BlockRemoved,
+    BlocksAllocated,
+    BlocksFreed,
+    BlocksTouched,
+    KVCacheEvent,
+    RequestForked,
+    SkippedBlocksRemoved,
 )
 from pagedkv.request import Request
 from pagedkv.single_type_kv_cache_manager import FullAttentionManager, blocks_written
@@ -74,6 +84,11 @@ class KVCacheManager:
     ``req_to_blocks[request_id]`` is the request's block table (logical block ``i`` → a ``KVCacheBlock``).
     A table only grows while the request runs: one block at a time as decode crosses a block boundary, or
     several for a prefill chunk. ``free`` returns them all when the request finishes or is preempted.
+
+    With ``enable_kv_cache_events`` (or a trace attached, ``set_trace``) every change is recorded as a plain
+    event (``pagedkv.kv_events``): the pool's ``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` and the
+    lab's table events, queued in order and drained by ``take_events()``, as vLLM 0.26's
+    ``KVCacheManager.take_events`` drains its pool's.
     """
 
     def __init__(
@@ -85,6 +100,7 @@ class KVCacheManager:
         *,
         max_model_len: int | None = None,
         max_in_flight_tokens: int | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """``KVCacheManager(num_blocks, block_size)``: one full-attention group (lessons 2-7).
         ``KVCacheManager(kv_cache_config, max_model_len=..., max_in_flight_tokens=...)``: the groups of a
@@ -92,19 +108,23 @@ class KVCacheManager:
         ...)``). ``max_model_len`` caps the slots a request gets (``None``: no cap); ``max_in_flight_tokens``
         (tokens scheduled but not yet processed; ``None``: set by the ``Scheduler`` from its
         ``max_num_batched_tokens``, else ``max_model_len``) caps what the admission gate counts for a
-        sliding-window group."""
+        sliding-window group. ``enable_kv_cache_events``: record events for ``take_events()`` (vLLM's
+        ``enable_kv_cache_events``)."""
         self.coordinator: KVCacheCoordinator | None = None
         self.max_model_len = max_model_len
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
+        self.trace: EventTrace | None = None
         if isinstance(num_blocks, KVCacheConfig):
             self._init_groups(num_blocks, block_size, enable_caching, hash_fn, max_model_len, max_in_flight_tokens)
+            self._sync_pool_events()
             return
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_fn)
-        self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.block_pool.defer_eviction_events = True
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.num_gpu_blocks = num_blocks
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each request already entered in the prefix cache.
@@ -113,7 +133,6 @@ class KVCacheManager:
         self.req_num_tokens: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_stats = PrefixCacheStats()
-        self.trace: EventTrace | None = None
         self.num_kv_cache_groups = 1
         self.max_in_flight_tokens = max_in_flight_tokens
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float16")
@@ -147,7 +166,6 @@ class KVCacheManager:
         self.req_num_tokens = {}
         self.pending_copies = []
         self.prefix_cache_stats = PrefixCacheStats()
-        self.trace = None
 
     def __getattr__(self, name: str) -> Any:
         """Built from a ``KVCacheConfig``, ``req_to_blocks`` and ``num_cached_block`` are group 0's
@@ -168,6 +186,7 @@ class KVCacheManager:
         self._block_pool = pool
         if self.coordinator is not None:
             self.coordinator.set_block_pool(pool)
+        self._sync_pool_events()
 
     @property
     def single_type_managers(self) -> tuple:
@@ -194,11 +213,48 @@ class KVCacheManager:
             total += n if cap is None else min(n, cap)
         return total
 
-    # --- tracing ------------------------------------------------------------------------------------
+    # --- events and tracing -------------------------------------------------------------------------
     def set_trace(self, trace: EventTrace | None) -> None:
-        """Record every change to the pool and the tables in ``trace`` (``None`` stops recording)."""
+        """Hand every event to ``trace`` (``EventTrace.record_kv_event``) once the change it describes is
+        complete, so a listener may take a snapshot; ``None`` stops it. A lab addition: vLLM has no trace."""
         self.trace = trace
-        self.block_pool.trace = trace
+        self._sync_pool_events()
+
+    @property
+    def recording(self) -> bool:
+        """Whether events are being made: for ``take_events()`` or for a trace."""
+        return self.enable_kv_cache_events or self.trace is not None
+
+    def _sync_pool_events(self) -> None:
+        # The pool records its events whenever this manager does (a learner's pool may not know of them).
+        self.block_pool.enable_kv_cache_events = self.recording
+
+    def _record(self, event: KVCacheEvent | None = None, request_id: str | None = None) -> None:
+        """Queue what the pool recorded since the last call, then ``event``, and hand them to the trace.
+
+        Called only where the change is complete (a popped block already sits in its table), so the pool's
+        evictions are taken here, not when they happen; they are the ones made for ``request_id``. The
+        callers build an event only ``if self.recording``: an unrecorded run pays one test per change."""
+        if not self.recording:
+            return
+        take = getattr(self.block_pool, "take_events", None)
+        events: list[KVCacheEvent] = [
+            replace(e, request_id=request_id) if isinstance(e, BlockRemoved) else e for e in (take() if take else [])
+        ]
+        if event is not None:
+            events.append(event)
+        if self.trace is not None:
+            for e in events:
+                self.trace.record_kv_event(e)
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.extend(events)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return the events recorded since the last call, oldest first, and empty the queue (``[]`` unless
+        built with ``enable_kv_cache_events``). Mirrors ``KVCacheManager.take_events``."""
+        self._record()
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     # --- prefix cache -------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -240,13 +296,14 @@ class KVCacheManager:
         ok = self.block_pool.reset_prefix_cache()
         if ok:
             self.prefix_cache_stats.reset = True
+            self._record()
         return ok
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Take these blocks out of the prefix cache (``BlockPool.evict_blocks``): their KV is not what their
         hash says (never written, or failed to load). Mirrors ``KVCacheManager.evict_blocks``."""
         self.block_pool.evict_blocks(block_ids)
-        self._flush_evictions(None)
+        self._record()
 
     # --- allocation ---------------------------------------------------------------------------------
     def _blocks_written(self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int) -> list[int]:
@@ -354,11 +411,8 @@ class KVCacheManager:
             self.block_pool.touch(hits)
             req_blocks.extend(hits)
             self.num_cached_block[rid] = len(hits)
-            if self.trace is not None:
-                ids = [b.block_id for b in hits]
-                self.trace.record(
-                    "touch", rid, ids, f"{rid} hits cached blocks {ids} ({len(ids) * self.block_size} tokens)"
-                )
+            if self.recording:
+                self._record(BlocksTouched(rid, [b.block_id for b in hits], len(hits) * self.block_size))
         new_blocks: list[KVCacheBlock] = []
         for i in cow:
             src = req_blocks[i]
@@ -366,43 +420,28 @@ class KVCacheManager:
             req_blocks[i] = dst
             self.block_pool.free_blocks([src])  # ref_cnt > 1, so it stays held by the other sharers
             new_blocks.append(dst)
-            self._flush_evictions(rid)
+            self._record(None, rid)
             if i < self.num_cached_block.get(rid, 0):
                 # A full block copied before its KV was computed (a fork made before the parent's step
                 # completed): the private copy is cached again once it is written.
                 self.num_cached_block[rid] = i
-            if i * self.block_size < request.num_computed_tokens:  # holds KV worth copying
+            copied = i * self.block_size < request.num_computed_tokens  # holds KV worth copying
+            if copied:
                 self.pending_copies.append((src.block_id, dst.block_id))
-                if self.trace is not None:
-                    self.trace.record(
-                        "copy",
-                        rid,
-                        [src.block_id, dst.block_id],
-                        f"{rid} writes into shared block {src.block_id}: copy-on-write to block {dst.block_id}",
-                        src=src.block_id,
-                        dst=dst.block_id,
-                    )
+            if self.recording:
+                self._record(BlockCopied(rid, src.block_id, dst.block_id, copied))
         fresh = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(fresh)
         new_blocks.extend(fresh)
-        self._flush_evictions(rid)
+        self._record(None, rid)  # the evictions, now that the blocks sit in the table
         self.req_num_tokens[rid] = max(self.req_num_tokens.get(rid, 0), num_tokens_need_slot)
-        if fresh and self.trace is not None:
-            ids = [b.block_id for b in fresh]
-            self.trace.record(
-                "allocate", rid, ids, f"{rid} allocates blocks {ids} (table now {len(req_blocks)} blocks)"
-            )
+        if fresh and self.recording:
+            self._record(BlocksAllocated(rid, [b.block_id for b in fresh], len(req_blocks)))
         if self.enable_caching:
             # Slots may run ahead of the tokens (a lookahead); only blocks of known tokens are hashed.
             self._cache_blocks(request, min(num_tokens_need_slot, request.num_tokens))
+            self._record(None, rid)
         return new_blocks
-
-    def _flush_evictions(self, request_id: str | None) -> None:
-        """Record the evictions of the blocks just taken for ``request_id``, now that they are in its table."""
-        pool = self.block_pool
-        for block_id, block_hash in pool.deferred_evictions:
-            pool.record_eviction(block_id, block_hash, request_id)
-        pool.deferred_evictions.clear()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter in the prefix cache the request's blocks that are full once ``num_computed_tokens`` tokens are
@@ -411,6 +450,7 @@ class KVCacheManager:
         ``KVCacheManager.cache_blocks``."""
         if self.enable_caching and request.request_id in self.req_to_blocks:
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+            self._record(None, request.request_id)
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Enter the request's blocks that are full once ``num_tokens`` tokens are computed."""
@@ -441,9 +481,8 @@ class KVCacheManager:
         self.req_num_tokens.pop(rid, None)
         ordered = list(reversed(blocks))
         self.block_pool.free_blocks(ordered)
-        if self.trace is not None:
-            ids = [b.block_id for b in ordered]
-            self.trace.record("free", rid, ids, f"{rid} frees blocks {ids}")
+        if self.recording:
+            self._record(BlocksFreed(rid, [b.block_id for b in ordered]), rid)
 
     # --- forks and copy-on-write --------------------------------------------------------------------
     def fork(self, parent: Request, child: Request) -> None:
@@ -467,7 +506,8 @@ class KVCacheManager:
                 m.fork(pid, cid)
             self.req_num_tokens[cid] = self.req_num_tokens.get(pid, n)
             child.num_computed_tokens = n
-            self._record_groups("fork", cid, f"{cid} forks from {pid}, sharing its blocks", parent=pid)
+            if self.recording:
+                self._record(RequestForked(cid, pid, [], self._tables(cid)), cid)
             return
         blocks = self.req_to_blocks[pid]
         self.block_pool.touch(blocks)
@@ -475,9 +515,8 @@ class KVCacheManager:
         self.num_cached_block[cid] = self.num_cached_block.get(pid, 0)
         self.req_num_tokens[cid] = self.req_num_tokens.get(pid, n)
         child.num_computed_tokens = n
-        if self.trace is not None:
-            ids = [b.block_id for b in blocks]
-            self.trace.record("fork", cid, ids, f"{cid} forks from {pid}, sharing blocks {ids}", parent=pid)
+        if self.recording:
+            self._record(RequestForked(cid, pid, [b.block_id for b in blocks]), cid)
 
     def get_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the recorded copy-on-write copies, as ``(src_block_id, dst_block_id)``; the
@@ -616,13 +655,12 @@ class KVCacheManager:
         # Out-of-window blocks go first (vLLM frees them even if this allocation then fails), on the
         # processed-token basis: tokens still in flight (async scheduling) may be read by a running step.
         in_flight = getattr(request, "num_in_flight_tokens", 0)
-        before = self._held_ids(rid) if self.trace is not None else set()
+        before = self._held_ids(rid) if self.recording else set()
         coord.remove_skipped_blocks(rid, max(0, total_computed - in_flight))
-        if self.trace is not None:
+        if self.recording:
             dropped = sorted(before - self._held_ids(rid))
             if dropped:
-                caption = f"{rid}: blocks {dropped} fell out of the window (freed, the null block in their place)"
-                self._record_groups("free", rid, caption)
+                self._record(SkippedBlocksRemoved(rid, dropped, self._tables(rid)), rid)
         num_needed = coord.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, num_local_computed)
         held = rid in self.req_to_blocks
         managers = coord.single_type_managers
@@ -635,18 +673,27 @@ class KVCacheManager:
         # From here on the allocation cannot fail.
         if has_hits:
             coord.allocate_new_computed_blocks(rid, hits, num_local_computed)
-            self._record_groups("touch", rid, f"{rid} hits cached blocks ({len(hits[0]) * self.block_size} tokens)")
+            if self.recording:
+                ids = [b.block_id for g in hits for b in g if not b.is_null]
+                self._record(BlocksTouched(rid, ids, len(hits[0]) * self.block_size, self._tables(rid)), rid)
         fresh_cow = tuple(
             m.copy_on_write(rid, request.num_computed_tokens, num_new_tokens) if num_cow else [] for m in managers
         )
         fresh = coord.allocate_new_blocks(rid, num_tokens_need_slot)
-        self._flush_evictions(rid)
+        self._record(None, rid)  # the evictions, now that the blocks sit in the tables
         self.req_num_tokens[rid] = max(self.req_num_tokens.get(rid, 0), num_tokens_need_slot)
-        if any(fresh):
-            self._record_groups("allocate", rid, f"{rid} allocates blocks")
+        if any(fresh) and self.recording:
+            ids = [b.block_id for g in fresh for b in g]
+            self._record(BlocksAllocated(rid, ids, sum(len(t) for t in self._tables(rid)), self._tables(rid)))
         if self.enable_caching:
             update_block_hashes(request, self.block_size, self.hash_fn)
-            coord.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            num_known = min(total_computed + num_new_tokens, request.num_tokens)
+            if self.recording:  # coord.cache_blocks a group at a time: each BlockStored seen with its state
+                for m in coord.single_type_managers:
+                    m.cache_blocks(request, num_known)
+                    self._record(None, rid)
+            else:
+                coord.cache_blocks(request, num_known)
         return self._pack(tuple(c + f for c, f in zip(fresh_cow, fresh, strict=True)))
 
     def _held_ids(self, rid: str) -> set[int]:
@@ -659,16 +706,13 @@ class KVCacheManager:
         freed = [b.block_id for group in self.coordinator.get_blocks(rid) for b in reversed(group) if not b.is_null]
         self.coordinator.free(rid)
         self.req_num_tokens.pop(rid, None)
-        if self.trace is not None:
-            self.trace.record("free", rid, freed, f"{rid} frees blocks {freed}")
+        if self.recording:
+            self._record(BlocksFreed(rid, freed), rid)
 
-    def _record_groups(self, kind: str, rid: str, caption: str, **data: Any) -> None:
-        """A trace event naming the request's tables in every group (``tables``, one list per group)."""
-        if self.trace is None or self.coordinator is None:
-            return
-        tables = [[b.block_id for b in g] for g in self.coordinator.get_blocks(rid)]
-        ids = sorted({i for t in tables for i in t if i != 0})
-        self.trace.record(kind, rid, ids, f"{caption}: tables {tables}", tables=tables, **data)
+    def _tables(self, rid: str) -> list[list[int]]:
+        """The request's table in every group, as block ids (0 for the null block): what group events carry."""
+        assert self.coordinator is not None
+        return [[b.block_id for b in g] for g in self.coordinator.get_blocks(rid)]
 
     def _snapshot_groups(self) -> dict[str, Any]:
         """Built from a ``KVCacheConfig``: what each group is, and every request's table in each group."""

@@ -11,9 +11,10 @@ copy-on-write). Then it writes each scheduled token's K and V at ``slot_mapping[
 over ``block_tables[req_id]``.
 
 Lab extensions (vLLM 0.26's ``SchedulerOutput``, ``vllm/v1/core/sched/output.py``, has none of these
-fields; its worker keeps the block tables and computes the slot mapping itself,
-``vllm/v1/worker/block_table.py``): ``block_tables`` and ``slot_mapping`` per request (so a step can be
-read without a worker), ``num_computed_tokens`` per request (vLLM carries it inside ``NewRequestData``
+fields; its worker keeps the block tables and computes the slot mapping itself: on the GPU under Model
+Runner V2, 0.26's runner for dense models, ``vllm/v1/worker/gpu/block_table.py``: ``BlockTables``; on the host
+under the V1 runner, ``vllm/v1/worker/block_table.py``): ``block_tables`` and ``slot_mapping`` per request
+(so a step can be read without a worker), ``num_computed_tokens`` per request (vLLM carries it inside ``NewRequestData``
 and ``CachedRequestData``), ``partial_prefill_req_ids``, ``step``, and the block movements
 ``blocks_to_swap_out`` and ``blocks_to_swap_in`` (vLLM V0's swap lists; vLLM 0.26 has no swapping) and
 ``blocks_to_copy`` (the lab's fork copy-on-write; vLLM 0.26's only copies are ``kv_cache_block_copies``,

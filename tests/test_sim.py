@@ -63,9 +63,11 @@ def test_cost_model_decode_is_memory_bound_and_prefill_compute_bound():
 
 def test_num_gpu_blocks_formula():
     cm = CostModel()
-    # vLLM 0.26: ceil(total x 0.92) minus weights, activation peak, non-torch memory and the CUDA-graph estimate
-    budget = math.ceil(0.92 * 80 * 2**30) - cm.model.weight_bytes - 1.5e9 - 0.3e9 - 0.5e9
+    # vLLM 0.26: ceil(total x 0.92) minus weights, activation peak and non-torch memory; no CUDA-graph estimate
+    # for a dense model (Model Runner V2's profile_cudagraph_memory() returns 0)
+    budget = math.ceil(0.92 * 80 * 2**30) - cm.model.weight_bytes - 1.5e9 - 0.3e9
     assert cm.num_gpu_blocks() == int(budget // (16 * 512 * 1024))
+    assert cm.num_gpu_blocks(cudagraph_bytes=0.5e9) == int((budget - 0.5e9) // (16 * 512 * 1024))
     with pytest.raises(ValueError):
         cm.num_gpu_blocks(gpu_memory_utilization=0.1)
     assert H100_SXM.hbm_bandwidth == 3.35e12

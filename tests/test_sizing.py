@@ -376,9 +376,13 @@ def test_analytic_profile_of_a_published_shape():
 def test_profile_on_cuda_is_measured(tiny_llama):
     model = tiny_llama.to("cuda", torch.float16)
     try:
-        p = profile(model, 4096, cuda_graphs=True, cudagraph_batch_sizes=(1, 2, 4, 8))
-        own = profile(model, 4096, cuda_graphs=True, cudagraph_memory=lambda: 3 << 20)  # an engine's own capture
+        # the V1 runner's estimate (MoE and Mamba-hybrid models on 0.26); a dense Llama gets Model Runner V2
+        v1 = {"cuda_graphs": True, "use_v2_model_runner": False}
+        p = profile(model, 4096, cudagraph_batch_sizes=(1, 2, 4, 8), **v1)
+        own = profile(model, 4096, cudagraph_memory=lambda: 3 << 20, **v1)  # an engine's own capture
         assert own.cudagraph_memory == 3 << 20
+        v2 = profile(model, 4096, cuda_graphs=True, cudagraph_memory=lambda: 3 << 20)
+        assert v2.cudagraph_memory == 0 and any("Model Runner V2" in n for n in v2.notes)
         assert p.method == "measured" and p.device.startswith("cuda")
         assert p.total_memory == torch.cuda.mem_get_info()[1]
         assert p.peak_activation_memory > 0 and p.cudagraph_memory >= 1 << 20

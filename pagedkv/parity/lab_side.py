@@ -36,12 +36,7 @@ def make_manager(cfg: ManagerConfig | SchedulerConfig, impl: Any = None) -> Any:
         return impl(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
     if hasattr(impl, "get_new_blocks"):
         manager = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.enable_caching)
-        pool = impl(cfg.num_blocks, cfg.enable_caching)
-        if not hasattr(pool, "defer_eviction_events"):
-            pool.defer_eviction_events = True
-        if not hasattr(pool, "deferred_evictions"):
-            pool.deferred_evictions = []
-        manager.block_pool = pool
+        manager.block_pool = impl(cfg.num_blocks, cfg.enable_caching)
         return manager
     raise ValueError(
         f"impl must be a BlockPool-, KVCacheManager- or Scheduler-compatible class, got {impl!r}"

@@ -134,18 +134,23 @@ def run_manager(side: Any, seed: int, cfg: ManagerConfig, num_ops: int = 60) -> 
             token = rng.randrange(VOCAB)
             op = {"op": "decode", "rid": rid, "token": token}
             obs = side.decode(rid, token)
-        elif r < 0.95:
-            rid = rng.choice(sorted(held))
-            op = {"op": "free", "rid": rid}
-            obs = side.free(rid)
-            del held[rid]
-        else:  # refused (False) while requests hold blocks, on both sides
-            op = {"op": "reset"}
-            obs = side.reset()
+        else:
+            op, obs = _free_or_reset(side, rng, held, r < 0.95)
         trace.append({"op": op, "obs": obs})
         if "error" in obs:
             break
     return trace
+
+
+def _free_or_reset(side: Any, rng: random.Random, held: dict[str, Any], free: bool) -> tuple[dict, dict]:
+    """The manager drivers' last two operations: free a request that holds blocks (chosen with ``rng``), or
+    reset the prefix cache (refused, ``False``, while requests hold blocks, on both sides)."""
+    if not free:
+        return {"op": "reset"}, side.reset()
+    rid = rng.choice(sorted(held))
+    obs = side.free(rid)
+    del held[rid]
+    return {"op": "free", "rid": rid}, obs
 
 
 def scheduler_requests(seed: int, cfg: SchedulerConfig) -> list[tuple[int, str, list[int], int]]:
@@ -379,14 +384,8 @@ def run_hybrid_manager(side: Any, seed: int, cfg: HybridManagerConfig, num_ops: 
             obs = side.grow(rid, new_tokens, num_new)
             if obs.get("new_blocks") is not None and held[rid] > 0:
                 held[rid] -= num_new
-        elif r < 0.96:
-            rid = rng.choice(sorted(held))
-            op = {"op": "free", "rid": rid}
-            obs = side.free(rid)
-            del held[rid]
         else:
-            op = {"op": "reset"}
-            obs = side.reset()
+            op, obs = _free_or_reset(side, rng, held, r < 0.96)
         trace.append({"op": op, "obs": obs})
         if "error" in obs:
             break

@@ -121,7 +121,7 @@ class CostModel:
         self,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         activation_bytes: float = 1.5e9,
-        cudagraph_bytes: float = 0.5e9,
+        cudagraph_bytes: float = 0.0,
         non_torch_bytes: float = 0.3e9,
         kv_cache_memory_bytes: int | None = None,
     ) -> int:
@@ -130,13 +130,18 @@ class CostModel:
         ``vllm/v1/worker/utils.py::request_memory`` asks for ``ceil(total * gpu_memory_utilization)`` bytes
         (``CacheConfig.gpu_memory_utilization``, default 0.92, ``vllm/config/cache.py``);
         ``vllm/v1/worker/gpu_worker.py::Worker.determine_available_memory`` subtracts the non-KV memory it
-        profiles (weights + the torch peak of a dummy forward pass + the non-torch increase: NCCL, cuBLAS
-        workspaces) and, by default since v0.21 (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``), the
-        CUDA-graph estimate; ``vllm/v1/core/kv_cache_utils.py::get_num_blocks`` divides what is left by
+        profiles (weights + the torch peak of a dummy forward pass + the non-torch increase: cuBLAS
+        workspaces and the like) and the model runner's CUDA-graph estimate (``cudagraph_memory_estimate_applied``):
+        0 by default, because the dense models this cost model describes run on Model Runner V2, whose
+        ``profile_cudagraph_memory`` returns 0 (``vllm/v1/worker/gpu/model_runner.py``: its graphs are captured
+        after the KV cache is allocated); pass the V1 runner's "Estimated CUDA graph memory" to model an MoE or
+        Mamba-hybrid model (``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.profile_cudagraph_memory``,
+        subtracted while ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``, the default since v0.21).
+        ``vllm/v1/core/kv_cache_utils.py::get_num_blocks`` divides what is left by
         the page size and the number of layers (here ``kv_bytes_per_block`` covers all layers at once, and
         the two floors give the same integer). When ``kv_cache_memory_bytes`` is given it is the KV budget
-        itself and the utilization is ignored, as in vLLM. The activation, non-torch and CUDA-graph figures
-        are this model's assumptions for a 7B model on one GPU, not measurements. Changes nothing; raises
+        itself and the utilization is ignored, as in vLLM. The activation and non-torch figures are this
+        model's assumptions for a 7B model on one GPU, not measurements. Changes nothing; raises
         ``ValueError`` when the non-KV memory exceeds the requested memory or an argument is out of range."""
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")

@@ -2,7 +2,10 @@
 
 Mirrors ``vllm/v1/engine/core.py`` (``EngineCore.step``: ``schedule()``, ``execute_model()``,
 ``update_from_output()``) with simulated time: each step advances a clock by the cost model's estimate
-of that step on the modelled GPU.
+of that step on the modelled GPU. That is the sync loop (``async_scheduling=False``); vLLM 0.26's default for
+dense models is async scheduling, ``EngineCore.step_with_batch_queue`` with two batches in flight (the lab's
+``pagedkv.engine``, lesson 7). The simulator keeps the sync loop on purpose: it has no host work to overlap,
+and its steps are the ones lesson 4's scheduler makes, one at a time.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ in that order (a block freed by a swap-out may be the destination of a swap-in o
 then the step's K and V are written at the slot mapping (``reshape_and_cache``), then attention reads the
 block tables.
 
-Mirrors the role of ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner.execute_model``) and, for the
-swaps and copies, vLLM V0's ``CacheEngine.swap_out`` / ``swap_in`` / ``copy``.
+Mirrors the role of the model runner's ``execute_model``: in vLLM 0.26, Model Runner V2's for dense models
+(``vllm/v1/worker/gpu/model_runner.py``, ``GPUModelRunner.execute_model``; ``VllmConfig.use_v2_model_runner``),
+the V1 runner's for MoE and Mamba-hybrid models (``vllm/v1/worker/gpu_model_runner.py``); for the swaps and
+copies, vLLM V0's ``CacheEngine.swap_out`` / ``swap_in`` / ``copy``.
 """
 
 from __future__ import annotations

@@ -8,11 +8,18 @@ vLLM 0.26 sizes its block pool once, at start-up, in three steps:
 2. ``vllm/v1/worker/gpu_worker.py::determine_available_memory`` runs a dummy forward pass of
    ``max_num_batched_tokens`` tokens inside ``vllm/utils/mem_utils.py::memory_profiling`` and subtracts
    everything that is not KV cache: the weights, the peak increase of torch's allocated bytes during the run
-   (activations), the increase of memory that torch does not allocate (CUDA context, cuBLAS workspaces, NCCL)
-   and, by default since v0.21 (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``), an estimate of the CUDA-graph
-   pool measured by capturing graphs (``gpu_model_runner.py::profile_cudagraph_memory``)::
+   (activations), the increase of memory that torch does not allocate since the worker's start-up snapshot
+   (cuBLAS workspaces and the like; the CUDA context and NCCL's first buffers are in that snapshot already)
+   and the CUDA-graph estimate the model runner's ``profile_cudagraph_memory()`` returns, applied when
+   ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1`` (the default since v0.21)::
 
        available = requested - (non_torch + peak_activation + weights) - cudagraph
+
+   For a dense model that estimate is **0**: 0.26 builds Model Runner V2 for it (``VllmConfig.use_v2_model_runner``,
+   ``vllm/config/vllm.py``), whose ``profile_cudagraph_memory`` (``vllm/v1/worker/gpu/model_runner.py``) returns
+   0, because it captures its graphs after the KV cache is allocated. Only the V1 runner, still built for MoE
+   and Mamba-hybrid models, measures graphs here (``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.
+   profile_cudagraph_memory``). :mod:`pagedkv.sizing.vllm_config` decides which, as 0.26 does.
 
 3. ``vllm/v1/core/kv_cache_utils.py::get_num_blocks`` (called by ``get_kv_cache_config_from_groups``) divides
    what is left by the bytes one block takes in one layer (``FullAttentionSpec.page_size_bytes``,
@@ -21,8 +28,9 @@ vLLM 0.26 sizes its block pool once, at start-up, in three steps:
 
        num_blocks = int(available // page_size // num_layers)
 
-``num_gpu_blocks_override`` and ``kv_cache_memory_bytes`` (``vllm/config/cache.py``) skip the arithmetic; the
-lab's engine takes ``num_gpu_blocks`` for the same purpose.
+``kv_cache_memory_bytes`` (``vllm/config/cache.py``) replaces step 2's subtraction with the budget it names
+(``request_memory`` and the profile run still happen); ``num_gpu_blocks_override`` replaces the block count
+afterwards; the lab's engine takes ``num_gpu_blocks`` for the same purpose.
 
 :func:`profile` does the whole thing for a loaded model: on a CUDA GPU it measures, as vLLM does; on a CPU
 (a laptop) it computes the same breakdown analytically, labelled as such, against a small stated budget
@@ -39,6 +47,8 @@ The package keeps each part where vLLM keeps it:
 - :mod:`pagedkv.sizing.kv_cache_utils`: the page arithmetic (``vllm/v1/core/kv_cache_utils.py``);
 - :mod:`pagedkv.sizing.mem_utils`: memory snapshots and profiling (``vllm/utils/mem_utils.py``);
 - :mod:`pagedkv.sizing.gpu_worker`: the profile run and its result (``vllm/v1/worker/gpu_worker.py``);
+- :mod:`pagedkv.sizing.vllm_config`: which model runner 0.26 builds, and so the CUDA-graph term
+  (``vllm/config/vllm.py``: ``use_v2_model_runner``);
 - :mod:`pagedkv.sizing.hybrid`: hybrid models (lesson 8): KV cache groups, page-size unification, each spec's
   ``max_memory_usage_bytes`` and the concurrency vLLM logs (``vllm/v1/core/kv_cache_utils.py``).
 
@@ -65,10 +75,18 @@ from pagedkv.sizing.kv_cache_utils import (
 )
 from pagedkv.sizing.mem_utils import GiB, MemoryProfilingResult, MemorySnapshot, format_gib, memory_profiling
 from pagedkv.sizing.model import ModelShape, estimate_peak_activation, model_shape, num_parameters
+from pagedkv.sizing.vllm_config import (
+    DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES,
+    cudagraph_memory_estimate_applied,
+    is_hybrid,
+    num_experts,
+    use_v2_model_runner,
+)
 
 __all__ = [
     "CPU_TOTAL_MEMORY",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES",
     "GiB",
     "HYBRID_SHAPES",
     "HybridSizing",
@@ -79,17 +97,21 @@ __all__ = [
     "ModelShape",
     "analytic_profile",
     "check_enough_kv_cache_memory",
+    "cudagraph_memory_estimate_applied",
     "default_cudagraph_batch_sizes",
     "estimate_peak_activation",
     "format_gib",
     "hybrid_sizing",
+    "is_hybrid",
     "kv_page_bytes",
     "max_concurrency",
     "memory_profiling",
     "model_shape",
     "num_gpu_blocks",
+    "num_experts",
     "num_parameters",
     "profile",
     "request_memory",
     "resolve_kv_cache_dtype",
+    "use_v2_model_runner",
 ]

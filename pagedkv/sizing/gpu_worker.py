@@ -26,6 +26,7 @@ from pagedkv.sizing.kv_cache_utils import (
 )
 from pagedkv.sizing.mem_utils import GiB, MemorySnapshot, format_gib, memory_profiling
 from pagedkv.sizing.model import estimate_peak_activation, model_shape, num_parameters
+from pagedkv.sizing.vllm_config import use_v2_model_runner as _use_v2_model_runner
 from pagedkv.utils import check_int
 
 __all__ = [
@@ -124,7 +125,10 @@ class MemoryProfile:
             f"Total non KV cache memory: {format_gib(self.non_kv_cache_memory)}GiB; torch peak memory increase: "
             f"{format_gib(self.peak_activation_memory)}GiB; non-torch forward increase memory: "
             f"{format_gib(self.non_torch_memory)}GiB; weights memory: {format_gib(self.weights_memory)}GiB.",
-            f"Estimated CUDA graph memory: {self.cudagraph_memory / GiB:.2f} GiB total",
+        ]
+        if self.cudagraph_memory:  # the V1 runner's profile_cudagraph_memory logs it; Model Runner V2 has none
+            lines.append(f"Estimated CUDA graph memory: {self.cudagraph_memory / GiB:.2f} GiB total")
+        lines += [
             f"Available KV cache memory: {format_gib(self.available_kv_cache_memory)} GiB",
             f"KV cache: {self.page_size_bytes:,} bytes per block per layer ({self.block_size} tokens, "
             f"{str(self.kv_cache_dtype).removeprefix('torch.')}) x {self.num_layers} layers",
@@ -372,17 +376,23 @@ def profile(
     cudagraph_batch_sizes: tuple[int, ...] | None = None,
     dummy_run: Callable[[int], None] | None = None,
     cudagraph_memory: Callable[[], int] | None = None,
+    use_v2_model_runner: bool | None = None,
 ) -> MemoryProfile:
     """Size the KV pool for a loaded model (or an engine holding one): vLLM 0.26's
     ``gpu_worker.py::determine_available_memory`` followed by ``kv_cache_utils.py::get_num_blocks``.
 
     On a CUDA device: snapshot, then inside :func:`memory_profiling` a dummy batch of ``max_num_batched_tokens``
     tokens (``dummy_run(num_tokens)`` when the engine gives one, else one forward of the transformers model
-    with logits for ``min(max_num_seqs, tokens)`` rows), the torch peak taken before any CUDA-graph capture;
-    with ``cuda_graphs`` the graph pool is measured by capturing decode graphs of ``cudagraph_batch_sizes``
-    (default: the engine's, :func:`default_cudagraph_batch_sizes` of ``max_num_seqs``), or by
-    ``cudagraph_memory()`` (an engine's own capture returning bytes, vLLM's
-    ``GPUModelRunner.profile_cudagraph_memory``); ``total_memory`` defaults to ``mem_get_info``'s total. The
+    with logits for ``min(max_num_seqs, tokens)`` rows), the torch peak taken before any CUDA-graph capture.
+    CUDA graphs enter the budget as vLLM 0.26's runners decide (:mod:`pagedkv.sizing.vllm_config`): under Model
+    Runner V2 -- ``use_v2_model_runner``, by default what 0.26 picks for the config: every dense model --
+    never (``vllm/v1/worker/gpu/model_runner.py``: ``profile_cudagraph_memory`` returns 0; the graphs are
+    captured after the KV cache is allocated); under the V1 runner (MoE and Mamba-hybrid models, or
+    ``use_v2_model_runner=False``), with ``cuda_graphs``, the graph pool is measured by capturing decode graphs
+    of ``cudagraph_batch_sizes`` (default: the engine's, :func:`default_cudagraph_batch_sizes` of
+    ``max_num_seqs``), or by ``cudagraph_memory()`` (an engine's own capture returning bytes), as
+    ``gpu_model_runner.py::GPUModelRunner.profile_cudagraph_memory`` does, and subtracted.
+    ``total_memory`` defaults to ``mem_get_info``'s total. The
     lab profiles a model that is already loaded, so its baseline is the moment profiling starts (vLLM's is the
     worker's start, before loading) and the weights are the bytes of the parameters and buffers.
 
@@ -408,6 +418,8 @@ def profile(
             raise ValueError("total_memory must be > 0 bytes")
     model = _find_hf_model(model_or_llm)
     config = model.config
+    if use_v2_model_runner is None:
+        use_v2_model_runner = _use_v2_model_runner(config)
     model_dtype = _model_dtype(model)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype)
     if device is None:
@@ -446,11 +458,15 @@ def profile(
         total_memory,
         max_model_len,
         max_num_seqs,
-        cuda_graphs,
+        cuda_graphs and not use_v2_model_runner,
         cudagraph_batch_sizes,
         dummy_run,
         cudagraph_memory,
         weights,
+        "CUDA graphs off: no graph memory estimated"
+        if not cuda_graphs
+        else "Model Runner V2: profile_cudagraph_memory() returns 0; its CUDA graphs are captured after the KV "
+        "cache is allocated, outside this budget",
     )
 
 
@@ -470,8 +486,10 @@ def _profile_cuda(
     dummy_run: Callable[[int], None] | None,
     cudagraph_memory: Callable[[], int] | None,
     weights: int,
+    no_graph_note: str,
 ) -> MemoryProfile:
-    """The measured path of :func:`profile` (needs CUDA)."""
+    """The measured path of :func:`profile` (needs CUDA); ``cuda_graphs``: estimate the graph pool as the V1
+    runner does (else ``no_graph_note`` says why not)."""
     shape = model_shape(config)
     gc.collect()  # an engine the notebook dropped still holds its KV cache until collected: free it first
     torch.cuda.empty_cache()
@@ -504,7 +522,7 @@ def _profile_cuda(
     result.torch_peak_increase = profile_torch_peak - result.before_profile.torch_peak
     notes = [f"profile run took {result.profile_time:.2f} s"]
     if not cuda_graphs:
-        notes.append("CUDA graphs off: no graph memory estimated")
+        notes.append(no_graph_note)
     measured = _analytic_profile(
         shape,
         num_tokens,

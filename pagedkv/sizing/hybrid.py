@@ -322,8 +322,10 @@ def hybrid_sizing(
     vLLM 0.26 logs: ``get_kv_cache_groups``, ``check_enough_kv_cache_memory`` (``ValueError`` when one
     request of ``max_model_len`` does not fit), ``get_kv_cache_config_from_groups`` and
     ``get_kv_cache_capacity``. The defaults are ``vllm serve``'s on a GPU of 70 GiB or more (``arg_utils.py``:
-    ``max_num_batched_tokens`` 8192; async scheduling on the V1 model runner, which hybrid models use:
-    ``max_concurrent_batches`` 2); ``max_model_len`` defaults to ``max_position_embeddings``.
+    ``max_num_batched_tokens`` 8192; async scheduling with one pipeline stage: ``max_concurrent_batches`` 2,
+    ``VllmConfig.max_concurrent_batches``, ``pp_size + 1`` on Model Runner V2 -- what a sliding-window model that
+    is not MoE runs, Gemma 3 -- and 2 on the V1 runner, which MoE models such as gpt-oss run);
+    ``max_model_len`` defaults to ``max_position_embeddings``.
 
     ``every_layer_full`` (the lab's what-if, no vLLM flag) sizes the same shape as if no layer had a window:
     the baseline of "how many more sequences fit". For a model with full and sliding layers it is what

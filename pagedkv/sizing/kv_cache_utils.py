@@ -134,10 +134,12 @@ def num_gpu_blocks(
     ``available = requested - (non_torch + peak_activation + weights) - cudagraph``
     (``gpu_worker.py::determine_available_memory``); ``int(available // page_bytes // num_layers)``
     (``core/kv_cache_utils.py::get_num_blocks``), where ``page_bytes`` is one block in one layer
-    (:func:`kv_page_bytes`). Pure: changes nothing. Raises ``ValueError`` for a utilization outside (0, 1], a
-    negative figure, and when nothing is left for the cache (vLLM's
-    ``kv_cache_utils.py::check_enough_kv_cache_memory`` refuses ``available <= 0``), saying by how much the
-    non-KV memory exceeds the budget and what to lower.
+    (:func:`kv_page_bytes`). ``cudagraph`` is ``cudagraph_memory_estimate_applied``: 0 for a dense model on
+    0.26, whose Model Runner V2 returns 0 from ``profile_cudagraph_memory``; the V1 runner's measured estimate
+    for MoE and Mamba-hybrid models (:func:`pagedkv.sizing.cudagraph_memory_estimate_applied` decides).
+    Pure: changes nothing. Raises ``ValueError`` for a utilization outside (0, 1], a negative figure, and when
+    nothing is left for the cache (vLLM's ``kv_cache_utils.py::_check_enough_kv_cache_memory`` refuses
+    ``available <= 0``), saying by how much the non-KV memory exceeds the budget and what to lower.
     """
     return _num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes, num_layers)
 
@@ -170,7 +172,7 @@ def _num_gpu_blocks(
             f"{format_gib(cudagraph)} GiB = {format_gib(non_kv + cudagraph)} GiB, which exceeds the requested "
             f"{format_gib(requested)} GiB (= ceil({total} * {utilization})) by {format_gib(-available)} GiB "
             f"({-available} bytes). Raise gpu_memory_utilization, lower max_num_batched_tokens (activations), "
-            "quantise the weights, or turn CUDA graphs off."
+            + ("quantise the weights, or turn CUDA graphs off." if cudagraph else "or quantise the weights.")
         )
     return int(available // page_bytes // num_layers)
 

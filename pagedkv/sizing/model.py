@@ -130,8 +130,10 @@ def estimate_peak_activation(
 
     (residual stream, its normed copy, the layer input and output; the MLP's gate, up and their product, or
     attention's q, k, v, their rotated copies and the output). ``num_logit_rows`` defaults to
-    ``min(num_tokens, 256)``: vLLM's profile samples one token per request (``gpu_model_runner.py::
-    _dummy_sampler_run``) and ``max_num_seqs`` defaults to 256. An estimate, not vLLM's number: on a GPU
+    ``min(num_tokens, 256)``: vLLM's profile run makes ``min(num_tokens, max_num_reqs)`` dummy requests and
+    computes logits for one token of each (Model Runner V2, ``vllm/v1/worker/gpu/model_runner.py``:
+    ``GPUModelRunner._dummy_run`` and ``_dummy_sampler_run``; the V1 runner's ``gpu_model_runner.py`` does the
+    same), and ``max_num_seqs`` defaults to 256. An estimate, not vLLM's number: on a GPU
     :func:`profile` measures it.
     """
     s = model_shape(config)

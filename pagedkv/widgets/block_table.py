@@ -29,8 +29,9 @@ import traitlets
 
 from pagedkv.utils import check_int
 from pagedkv.widgets.filmstrip import DEFAULT_MAX_FRAMES, fit_filmstrip
-from pagedkv.widgets.frames import ROLES, encode_views, request_colours, request_order, roles_used, view_frames
+from pagedkv.widgets.frames import ROLES, request_colours, request_order, roles_used, view_frames
 from pagedkv.widgets.svg import render_view_svg
+from pagedkv.widgets.view_codec import encode_views
 
 STATIC = pathlib.Path(__file__).parent / "static"
 
@@ -53,7 +54,7 @@ class BlockTableWidget(anywidget.AnyWidget):
     _esm = STATIC / "block_table.js"
     _css = STATIC / "block_table.css"
 
-    frames = traitlets.List().tag(sync=True)  # view frames, delta-encoded (frames.encode_views)
+    frames = traitlets.List().tag(sync=True)  # view frames, delta-encoded (view_codec.encode_views)
     frame = traitlets.Int(0).tag(sync=True)
     fps = traitlets.Float(2.0).tag(sync=True)
     loop = traitlets.Bool(False).tag(sync=True)
