@@ -20,6 +20,7 @@ kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class AttentionMetadata:
     # The KV cache group's window when it releases the blocks behind it (a SlidingWindowSpec group: those table
     # entries are the null block), else None: the layer's own window, if any, is then only a mask
     sliding_window: int | None = None
+    # When a dict: every layer's attention call adds its host seconds to ``timings["attention_s"]`` (the runner's
+    # time split; on a GPU the launches only, the device runs on)
+    timings: dict[str, float] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -196,6 +200,8 @@ def torch_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    key: torch.Tensor | None = None,  # [T, Hkv, D]: the step's new K (what was just written), optional
+    value: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:
     """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
 
@@ -205,6 +211,12 @@ def torch_paged_attention(
     prefix. Under a ``sliding_window`` of ``W`` a query at position ``p`` sees keys ``p - W + 1 .. p`` only, and
     a prefill chunk gathers no block wholly behind its first query's window (such blocks may be the null block).
     The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
+
+    A prefill chunk with no cached prefix (its first query at position 0) and full attention reads no block at
+    all when the step's own ``key``/``value`` are given and the cache holds the model's dtype: its keys are
+    exactly the chunk's new ones, so it is one causal ``scaled_dot_product_attention`` call on them (PyTorch's
+    fused CPU kernel, which skips the masked half), with no gather and no mask tensor. The same keys, so the
+    same result up to float rounding order.
     """
     out = torch.empty_like(query)
     bs = key_cache.shape[1]
@@ -225,9 +237,20 @@ def torch_paged_attention(
             q.float(), k.float(), v.float(), attn_mask=grp.visible_in_window(sliding_window),
             scale=scale)  # [Bg, Hkv, G, D]
         out.index_copy_(0, grp.tokens, o.reshape(n, hq, d).to(out.dtype))
+    fresh_ok = key is not None and value is not None and sliding_window is None and key.dtype == key_cache.dtype
+    g = hq // hkv
     for b, lo, hi, seq_len in meta.prefill_reqs:
         nblk = -(-seq_len // bs)
         first_q = seq_len - (hi - lo)
+        if fresh_ok and first_q == 0:
+            # query head h·G + i reads KV head h: K/V repeated per query head ([Hq, n, D], a chunk-sized copy)
+            kq = key[lo:hi].transpose(0, 1).repeat_interleave(g, dim=0)  # [Hq, n, D]
+            vq = value[lo:hi].transpose(0, 1).repeat_interleave(g, dim=0)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                query[lo:hi].transpose(0, 1)[None].float(), kq[None].float(), vq[None].float(), is_causal=True,
+                scale=scale)  # [1, Hq, n, D]
+            out[lo:hi] = o[0].transpose(0, 1).to(out.dtype)
+            continue
         # under a window, the blocks wholly behind the first query's window are not gathered
         first_blk = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // bs
         start = first_blk * bs  # the position of the first gathered key
@@ -297,6 +320,7 @@ def paged_attention_forward(
         raise ValueError(f"the pagedkv attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
     if isinstance(meta, Mapping):  # several KV cache groups: this layer's group's metadata
         meta = meta[module.layer_idx]
+    t0 = time.perf_counter()
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
@@ -315,7 +339,9 @@ def paged_attention_forward(
         out = triton_paged_attention(q, key_cache, value_cache, meta, scale, window)
     else:
         write_kv_torch(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window)
+        out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window, key=k, value=v)
+    if meta.timings is not None:
+        meta.timings["attention_s"] = meta.timings.get("attention_s", 0.0) + time.perf_counter() - t0
     return out[None], None  # [1, T, Hq, D]
 
 
