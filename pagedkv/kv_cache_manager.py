@@ -676,9 +676,12 @@ class KVCacheManager:
             if self.recording:
                 ids = [b.block_id for g in hits for b in g if not b.is_null]
                 self._record(BlocksTouched(rid, ids, len(hits[0]) * self.block_size, self._tables(rid)), rid)
+        before = self._tables(rid) if num_cow and self.recording else None
         fresh_cow = tuple(
             m.copy_on_write(rid, request.num_computed_tokens, num_new_tokens) if num_cow else [] for m in managers
         )
+        if before is not None:
+            self._record_copies(rid, before)
         fresh = coord.allocate_new_blocks(rid, num_tokens_need_slot)
         self._record(None, rid)  # the evictions, now that the blocks sit in the tables
         self.req_num_tokens[rid] = max(self.req_num_tokens.get(rid, 0), num_tokens_need_slot)
@@ -708,6 +711,15 @@ class KVCacheManager:
         self.req_num_tokens.pop(rid, None)
         if self.recording:
             self._record(BlocksFreed(rid, freed), rid)
+
+    def _record_copies(self, rid: str, before: list[list[int]]) -> None:
+        """A ``BlockCopied`` for each block that copy-on-write replaced in any group (``before``: the tables
+        just before), ``copied`` when its KV is to be copied (it is in that group's ``pending_copies``)."""
+        assert self.coordinator is not None
+        for m, old, new in zip(self.coordinator.single_type_managers, before, self._tables(rid), strict=True):
+            for src, dst in zip(old, new, strict=False):
+                if src != dst:
+                    self._record(BlockCopied(rid, src, dst, (src, dst) in m.pending_copies), rid)
 
     def _tables(self, rid: str) -> list[list[int]]:
         """The request's table in every group, as block ids (0 for the null block): what group events carry."""
