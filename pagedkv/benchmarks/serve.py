@@ -436,12 +436,13 @@ def _spread(rows: list[dict[str, Any]], key: str) -> list[list[float]]:
 
 def plot(runs: list[dict[str, Any]], path: str | None = None) -> Any:
     """Latency against achieved throughput per mode (median TTFT and TPOT; for :func:`aggregate`'s rows, the
-    median of the repetitions with min-max bars on both axes), and the running batch and the preemptions over
-    time at the highest rate. Saved to ``path`` when given; returns the figure."""
+    median of the repetitions with min-max bars on both axes), and at the highest rate the running batch and
+    the KV cache usage over time, each preemption marked on the usage. Saved to ``path`` when given; returns the
+    figure."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.2))
-    (ttft_ax, tpot_ax), (run_ax, pre_ax) = axes
+    (ttft_ax, tpot_ax), (run_ax, kv_ax) = axes
     for mode in dict.fromkeys(r["mode"] for r in runs):
         rs = [r for r in runs if r["mode"] == mode]
         x = [r["request_throughput"] for r in rs]
@@ -456,15 +457,20 @@ def plot(runs: list[dict[str, Any]], path: str | None = None) -> Any:
         ts = last["timeseries"]
         label = f"{mode}, rate {last['request_rate']}"
         run_ax.plot([p["t"] for p in ts], [p["running"] for p in ts], label=label)
+        t = [p["t"] for p in ts]
+        line, = kv_ax.plot(t, [100 * p["kv_cache_usage"] for p in ts])
         base = ts[0]["preemptions"] if ts else 0.0
-        pre_ax.plot([p["t"] for p in ts], [p["preemptions"] - base for p in ts], label=label)
+        hits = [i for i in range(1, len(ts)) if ts[i]["preemptions"] > ts[i - 1]["preemptions"]]
+        kv_ax.plot([t[i] for i in hits], [100 * ts[i]["kv_cache_usage"] for i in hits], "x", ms=8,
+                   color=line.get_color())
+        line.set_label(f"{label}: {(ts[-1]['preemptions'] - base) if ts else 0:g} preemptions")
     ttft_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TTFT (ms)", yscale="log",
                 title="time to first token")
     tpot_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TPOT (ms)", title="time per output token")
     run_ax.set(xlabel="time since the first request (s)", ylabel="running requests",
                title="running batch at the highest rate")
-    pre_ax.set(xlabel="time since the first request (s)", ylabel="preemptions so far",
-               title="preemptions at the highest rate")
+    kv_ax.set(xlabel="time since the first request (s)", ylabel="KV blocks in use (% of the pool)", ylim=(0, 105),
+              title="KV cache usage at the highest rate (x: a preemption)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8, framealpha=0.9)
