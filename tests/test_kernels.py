@@ -203,7 +203,14 @@ def _launch_config(cfg, out, q, kc, vc, bt, sl, k_scale=1.0, v_scale=1.0):
         launch_decode_v4(out, q, kc, vc, bt, sl, scale, num_splits=cfg.num_splits, **kw)
 
 
-@pytest.mark.parametrize("cfg", pk.dispatch.reachable_configs(132),
+def _one_per_version_fast(configs):
+    """The fast tier runs the first configuration of each version; the rest (a few seconds each in the
+    interpreter) are marked slow and run in the full suite."""
+    first: dict[int, object] = {}
+    return [pytest.param(c, marks=() if first.setdefault(c.version, c) is c else pytest.mark.slow) for c in configs]
+
+
+@pytest.mark.parametrize("cfg", _one_per_version_fast(pk.dispatch.reachable_configs(132)),
                          ids=lambda c: f"v{c.version}-t{c.tile_tokens}-s{c.num_splits}")
 def test_every_configuration_the_dispatch_can_choose_is_exact(cfg):
     """Each (version, tile, warps, stages, splits) the rule can return, against float64, on ragged lengths
@@ -413,6 +420,7 @@ def test_interpreter_refuses_bfloat16():
         paged_attention_decode(**args)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_import_turns_on_the_interpreter_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import os, torch, pagedkv.kernels; print(torch.cuda.is_available(), os.environ.get('TRITON_INTERPRET'))"
