@@ -65,7 +65,8 @@ def _check(out, ref, dtype, what):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+# groups 1 and 8 (the extremes) in the fast tier, 2 and 4 in the full suite
+@pytest.mark.parametrize("group", [1, *(pytest.param(g, marks=pytest.mark.slow) for g in (2, 4)), 8])
 @pytest.mark.parametrize("version", DECODE_VERSIONS)
 def test_decode_versions_match_reference(version, group, head_dim, dtype):
     q, kc, vc, bt, sl, ref = _decode_case(RAGGED, 2, group, head_dim, dtype, seed=group * 1000 + head_dim)
@@ -77,7 +78,7 @@ def test_decode_versions_match_reference(version, group, head_dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, *(pytest.param(n, marks=pytest.mark.slow) for n in (4, 5, 6)), 8])
 def test_split_k_every_split_count(num_splits, dtype):
     # 64-token tiles: lengths 1 .. 320 give 1 .. 5 tiles, so some slices are empty at every split count >= 2.
     lens = [1, 64, 65, 200, 320]
