@@ -52,6 +52,9 @@ def install() -> bool:
     error_cls = getattr(interpreter, "InterpreterError", None)
     if grid_cls is None or fn_cls is None or error_cls is None or not hasattr(interpreter, "_patch_lang"):
         return False  # another Triton: leave its interpreter alone
+    if getattr(fn_cls.__call__, "_pagedkv_shortcut", False):
+        _INSTALLED = True  # installed by an earlier import of this module (pagedkv.kernels imported afresh)
+        return True
     launch, device_call = grid_cls.__call__, fn_cls.__call__
 
     @functools.wraps(launch)
@@ -78,6 +81,7 @@ def install() -> bool:
         except Exception as e:
             raise error_cls(repr(e)) from e
 
+    patched_device_call._pagedkv_shortcut = True  # type: ignore[attr-defined]
     grid_cls.__call__ = patched_launch
     fn_cls.__call__ = patched_device_call
     _INSTALLED = True

@@ -448,7 +448,12 @@ class KVCacheManager:
         computed (only blocks of known tokens: capped at ``request.num_tokens``). The async scheduler calls it when
         a sample arrives, since the block holding it could not be hashed when it was allocated. Mirrors
         ``KVCacheManager.cache_blocks``."""
-        if self.enable_caching and request.request_id in self.req_to_blocks:
+        if not self.enable_caching:
+            return
+        if self.coordinator is not None:
+            if request.request_id in self._held_requests():
+                self._cache_group_blocks(request, min(num_computed_tokens, request.num_tokens))
+        elif request.request_id in self.req_to_blocks:
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
             self._record(None, request.request_id)
 
@@ -689,15 +694,25 @@ class KVCacheManager:
             ids = [b.block_id for g in fresh for b in g]
             self._record(BlocksAllocated(rid, ids, sum(len(t) for t in self._tables(rid)), self._tables(rid)))
         if self.enable_caching:
-            update_block_hashes(request, self.block_size, self.hash_fn)
-            num_known = min(total_computed + num_new_tokens, request.num_tokens)
-            if self.recording:  # coord.cache_blocks a group at a time: each BlockStored seen with its state
-                for m in coord.single_type_managers:
-                    m.cache_blocks(request, num_known)
-                    self._record(None, rid)
-            else:
-                coord.cache_blocks(request, num_known)
+            self._cache_group_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self._pack(tuple(c + f for c, f in zip(fresh_cow, fresh, strict=True)))
+
+    def _held_requests(self) -> set[str]:
+        """The requests that hold blocks in some group (several-group form)."""
+        assert self.coordinator is not None
+        return {rid for m in self.coordinator.single_type_managers for rid in m.req_to_blocks}
+
+    def _cache_group_blocks(self, request: Request, num_known: int) -> None:
+        """Every group enters the request's blocks full of its first ``num_known`` tokens in the prefix cache
+        (several-group form; ``KVCacheCoordinator.cache_blocks``)."""
+        assert self.coordinator is not None
+        update_block_hashes(request, self.block_size, self.hash_fn)
+        if self.recording:  # a group at a time: each BlockStored seen with its state
+            for m in self.coordinator.single_type_managers:
+                m.cache_blocks(request, num_known)
+                self._record(None, request.request_id)
+        else:
+            self.coordinator.cache_blocks(request, num_known)
 
     def _held_ids(self, rid: str) -> set[int]:
         assert self.coordinator is not None

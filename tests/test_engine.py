@@ -402,6 +402,7 @@ def test_cuda_graph_buckets():
             buf.fill(bad, size)
 
 
+@pytest.mark.slow
 def test_bench_tiny_mode(tmp_path):
     import json
 

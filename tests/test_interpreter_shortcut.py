@@ -4,6 +4,8 @@ triton.language, and nothing else changes: the same outputs bit for bit, helpers
 
 from __future__ import annotations
 
+import inspect
+
 import pagedkv.kernels as pk
 import pytest
 import torch
@@ -29,6 +31,9 @@ def test_installed_once_and_results_are_bit_identical_without_it(monkeypatch):
     from triton.runtime import interpreter
 
     assert _interpreter.install() and _interpreter.install()  # installed on import, idempotent
+    _interpreter._INSTALLED = False  # as in a fresh import of pagedkv.kernels: still installed only once
+    before = interpreter.InterpretedFunction.__call__
+    assert _interpreter.install() and interpreter.InterpretedFunction.__call__ is before
     fast = _decode_all_versions()
     calls = {"patch": 0}
     original_patch = interpreter._patch_lang
@@ -40,9 +45,9 @@ def test_installed_once_and_results_are_bit_identical_without_it(monkeypatch):
     monkeypatch.setattr(interpreter, "_patch_lang", counting_patch)
     with_shortcut = _decode_all_versions()
     patches_with = calls["patch"]
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", interpreter.GridExecutor.__call__.__wrapped__)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", inspect.unwrap(interpreter.GridExecutor.__call__))
     monkeypatch.setattr(
-        interpreter.InterpretedFunction, "__call__", interpreter.InterpretedFunction.__call__.__wrapped__
+        interpreter.InterpretedFunction, "__call__", inspect.unwrap(interpreter.InterpretedFunction.__call__)
     )
     calls["patch"] = 0
     slow = _decode_all_versions()

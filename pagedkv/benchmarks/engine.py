@@ -517,15 +517,18 @@ def _run_once(model, prompts: list[list[int]], budget: int, cfg: BenchConfig, ba
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{'impl':<20}{'tok/s':>10}{'seconds':>10}{'match':>8}{'pagedkv ×':>12}{'GFLOP/s':>10}{'% roof':>8}"]
+    roof, flops = result.get("roof"), result.get("flops")  # absent from runs made before the roof was measured
+    lines = [f"{'impl':<20}{'tok/s':>10}{'seconds':>10}{'match':>8}{'pagedkv ×':>12}"
+             + (f"{'GFLOP/s':>10}{'% roof':>8}" if roof else "")]
     for r in result["rows"]:
         lines.append(f"{r['impl']:<20}{r['tokens_per_s']:>10.1f}{r['seconds']:>10.2f}{r['match']:>8.0%}"
-                     f"{r.get('pagedkv_speedup', float('nan')):>11.2f}×{r['gflops']:>10.1f}{r['pct_of_roof']:>8.0%}")
-    roof, flops = result["roof"], result["flops"]
-    lines.append(f"roof: F.linear on the model's own layers at the engine's {roof['steps']} step sizes, "
-                 f"{roof['gflops']:.1f} GFLOP/s ({roof['seconds']:.2f} s for {roof['flops'] / 1e9:.1f} GFLOP); "
-                 f"work counted: {flops['total'] / 1e9:.1f} GFLOP (layers {flops['layers'] / 1e9:.1f}, attention "
-                 f"{flops['attention'] / 1e9:.1f}, LM head {flops['lm_head'] / 1e9:.1f})")
+                     f"{r.get('pagedkv_speedup', float('nan')):>11.2f}×"
+                     + (f"{r['gflops']:>10.1f}{r['pct_of_roof']:>8.0%}" if roof else ""))
+    if roof and flops:
+        lines.append(f"roof: F.linear on the model's own layers at the engine's {roof['steps']} step sizes, "
+                     f"{roof['gflops']:.1f} GFLOP/s ({roof['seconds']:.2f} s for {roof['flops'] / 1e9:.1f} GFLOP); "
+                     f"work counted: {flops['total'] / 1e9:.1f} GFLOP (layers {flops['layers'] / 1e9:.1f}, attention "
+                     f"{flops['attention'] / 1e9:.1f}, LM head {flops['lm_head'] / 1e9:.1f})")
     runs = result.get("runs") or []
     if len(runs) > 1:
         sp = result["spread"]
@@ -546,8 +549,8 @@ def format_table(result: dict[str, Any]) -> str:
         if t:
             lines.append(f"{r['impl']}: {t['steps']} steps; per step, host {t['host_ms']:.2f} ms (scheduling "
                          f"{t['schedule_ms']:.2f} + input preparation {t['prepare_ms']:.2f}) beside the forward "
-                         f"{t['forward_ms']:.2f} ms (attention {t['attention_ms']:.2f}, sampling "
-                         f"{t['sample_ms']:.2f}; update {t['update_ms']:.2f} ms)")
+                         f"{t['forward_ms']:.2f} ms (attention {t.get('attention_ms', 0.0):.2f}, sampling "
+                         f"{t.get('sample_ms', 0.0):.2f}; update {t['update_ms']:.2f} ms)")
         split = r.get("time_split")
         if split:
             lines.append(f"{r['impl']} time split: " + ", ".join(f"{k.replace('_', ' ')} {v:.0%}"

@@ -200,8 +200,6 @@ def torch_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
-    key: torch.Tensor | None = None,  # [T, Hkv, D]: the step's new K (what was just written), optional
-    value: torch.Tensor | None = None,  # [T, Hkv, D]
 ) -> torch.Tensor:
     """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
 
@@ -211,12 +209,6 @@ def torch_paged_attention(
     prefix. Under a ``sliding_window`` of ``W`` a query at position ``p`` sees keys ``p - W + 1 .. p`` only, and
     a prefill chunk gathers no block wholly behind its first query's window (such blocks may be the null block).
     The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
-
-    A prefill chunk with no cached prefix (its first query at position 0) and full attention reads no block at
-    all when the step's own ``key``/``value`` are given and the cache holds the model's dtype: its keys are
-    exactly the chunk's new ones, so it is one causal ``scaled_dot_product_attention`` call on them (PyTorch's
-    fused CPU kernel, which skips the masked half), with no gather and no mask tensor. The same keys, so the
-    same result up to float rounding order.
     """
     out = torch.empty_like(query)
     bs = key_cache.shape[1]
@@ -237,20 +229,9 @@ def torch_paged_attention(
             q.float(), k.float(), v.float(), attn_mask=grp.visible_in_window(sliding_window),
             scale=scale)  # [Bg, Hkv, G, D]
         out.index_copy_(0, grp.tokens, o.reshape(n, hq, d).to(out.dtype))
-    fresh_ok = key is not None and value is not None and sliding_window is None and key.dtype == key_cache.dtype
-    g = hq // hkv
     for b, lo, hi, seq_len in meta.prefill_reqs:
         nblk = -(-seq_len // bs)
         first_q = seq_len - (hi - lo)
-        if fresh_ok and first_q == 0:
-            # query head h·G + i reads KV head h: K/V repeated per query head ([Hq, n, D], a chunk-sized copy)
-            kq = key[lo:hi].transpose(0, 1).repeat_interleave(g, dim=0)  # [Hq, n, D]
-            vq = value[lo:hi].transpose(0, 1).repeat_interleave(g, dim=0)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                query[lo:hi].transpose(0, 1)[None].float(), kq[None].float(), vq[None].float(), is_causal=True,
-                scale=scale)  # [1, Hq, n, D]
-            out[lo:hi] = o[0].transpose(0, 1).to(out.dtype)
-            continue
         # under a window, the blocks wholly behind the first query's window are not gathered
         first_blk = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // bs
         start = first_blk * bs  # the position of the first gathered key
@@ -339,7 +320,7 @@ def paged_attention_forward(
         out = triton_paged_attention(q, key_cache, value_cache, meta, scale, window)
     else:
         write_kv_torch(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window, key=k, value=v)
+        out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window)
     if meta.timings is not None:
         meta.timings["attention_s"] = meta.timings.get("attention_s", 0.0) + time.perf_counter() - t0
     return out[None], None  # [1, T, Hq, D]
