@@ -30,6 +30,13 @@ import torch
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from ._common import interpreter_on as _interpreter_on  # noqa: E402
+
+if _interpreter_on():
+    from ._interpreter import install as _install_interpreter_shortcut  # noqa: E402
+
+    _install_interpreter_shortcut()  # device-function calls skip a repeated patch (kernels/_interpreter.py)
+
 from .cache import reshape_and_cache  # noqa: E402
 from .decode import (  # noqa: E402
     DECODE_VERSIONS,

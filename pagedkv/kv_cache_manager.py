@@ -448,7 +448,12 @@ class KVCacheManager:
         computed (only blocks of known tokens: capped at ``request.num_tokens``). The async scheduler calls it when
         a sample arrives, since the block holding it could not be hashed when it was allocated. Mirrors
         ``KVCacheManager.cache_blocks``."""
-        if self.enable_caching and request.request_id in self.req_to_blocks:
+        if not self.enable_caching:
+            return
+        if self.coordinator is not None:
+            if request.request_id in self._held_requests():
+                self._cache_group_blocks(request, min(num_computed_tokens, request.num_tokens))
+        elif request.request_id in self.req_to_blocks:
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
             self._record(None, request.request_id)
 
@@ -676,9 +681,12 @@ class KVCacheManager:
             if self.recording:
                 ids = [b.block_id for g in hits for b in g if not b.is_null]
                 self._record(BlocksTouched(rid, ids, len(hits[0]) * self.block_size, self._tables(rid)), rid)
+        before = self._tables(rid) if num_cow and self.recording else None
         fresh_cow = tuple(
             m.copy_on_write(rid, request.num_computed_tokens, num_new_tokens) if num_cow else [] for m in managers
         )
+        if before is not None:
+            self._record_copies(rid, before)
         fresh = coord.allocate_new_blocks(rid, num_tokens_need_slot)
         self._record(None, rid)  # the evictions, now that the blocks sit in the tables
         self.req_num_tokens[rid] = max(self.req_num_tokens.get(rid, 0), num_tokens_need_slot)
@@ -686,15 +694,25 @@ class KVCacheManager:
             ids = [b.block_id for g in fresh for b in g]
             self._record(BlocksAllocated(rid, ids, sum(len(t) for t in self._tables(rid)), self._tables(rid)))
         if self.enable_caching:
-            update_block_hashes(request, self.block_size, self.hash_fn)
-            num_known = min(total_computed + num_new_tokens, request.num_tokens)
-            if self.recording:  # coord.cache_blocks a group at a time: each BlockStored seen with its state
-                for m in coord.single_type_managers:
-                    m.cache_blocks(request, num_known)
-                    self._record(None, rid)
-            else:
-                coord.cache_blocks(request, num_known)
+            self._cache_group_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self._pack(tuple(c + f for c, f in zip(fresh_cow, fresh, strict=True)))
+
+    def _held_requests(self) -> set[str]:
+        """The requests that hold blocks in some group (several-group form)."""
+        assert self.coordinator is not None
+        return {rid for m in self.coordinator.single_type_managers for rid in m.req_to_blocks}
+
+    def _cache_group_blocks(self, request: Request, num_known: int) -> None:
+        """Every group enters the request's blocks full of its first ``num_known`` tokens in the prefix cache
+        (several-group form; ``KVCacheCoordinator.cache_blocks``)."""
+        assert self.coordinator is not None
+        update_block_hashes(request, self.block_size, self.hash_fn)
+        if self.recording:  # a group at a time: each BlockStored seen with its state
+            for m in self.coordinator.single_type_managers:
+                m.cache_blocks(request, num_known)
+                self._record(None, request.request_id)
+        else:
+            self.coordinator.cache_blocks(request, num_known)
 
     def _held_ids(self, rid: str) -> set[int]:
         assert self.coordinator is not None
@@ -708,6 +726,15 @@ class KVCacheManager:
         self.req_num_tokens.pop(rid, None)
         if self.recording:
             self._record(BlocksFreed(rid, freed), rid)
+
+    def _record_copies(self, rid: str, before: list[list[int]]) -> None:
+        """A ``BlockCopied`` for each block that copy-on-write replaced in any group (``before``: the tables
+        just before), ``copied`` when its KV is to be copied (it is in that group's ``pending_copies``)."""
+        assert self.coordinator is not None
+        for m, old, new in zip(self.coordinator.single_type_managers, before, self._tables(rid), strict=True):
+            for src, dst in zip(old, new, strict=False):
+                if src != dst:
+                    self._record(BlockCopied(rid, src, dst, (src, dst) in m.pending_copies), rid)
 
     def _tables(self, rid: str) -> list[list[int]]:
         """The request's table in every group, as block ids (0 for the null block): what group events carry."""

@@ -41,7 +41,8 @@ EVENT_KINDS: dict[str, str] = {
     "cache": "full blocks given a hash and entered in the prefix cache",
     "evict": "a cached block popped for reuse: its hash cleared and removed from the cache map",
     "free": "a request's blocks released, ref_cnt - 1 each (block_ids in the order freed)",
-    "copy": "copy-on-write: data['src'] is copied to data['dst'], which replaces it in the request's table",
+    "copy": "copy-on-write: data['dst'] replaces data['src'] in the request's table, src's KV copied to it "
+    "(the caption says so when src held nothing computed yet)",
     "fork": "a child request shares its parent's whole block table (data['parent'])",
     "reset": "the prefix cache was cleared (reset_prefix_cache)",
     "admit": "a waiting request was scheduled for the first time or again",

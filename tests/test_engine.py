@@ -402,6 +402,7 @@ def test_cuda_graph_buckets():
             buf.fill(bad, size)
 
 
+@pytest.mark.slow
 def test_bench_tiny_mode(tmp_path):
     import json
 
@@ -417,6 +418,45 @@ def test_bench_tiny_mode(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["match"] == 1.0 for r in result["rows"])
     assert result["config"]["kv_budget_tokens"] > 0 and (tmp_path / "engine.png").stat().st_size > 0
     assert bench.static_batches([10, 10, 50, 10], 6, 64) == [[0, 1], [2], [3]]
+
+
+def test_bench_roof_flops_and_time_split(tmp_path):
+    """The roof and the percentages (issue 25): every implementation's GFLOP/s is its counted work over its
+    seconds, its share of the roof that over the roof's GFLOP/s; the engine's time split sums to 1. No timing
+    asserted: the numbers are only checked to follow from each other."""
+    import json
+
+    from pagedkv.benchmarks import engine as bench
+
+    path = tmp_path / "engine.json"
+    assert bench.main(["--tiny", "--runs", "2", "--impls", "hf_static_batch", "pagedkv", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    cfg = bench.BenchConfig(**{k: result["config"][k] for k in bench.BenchConfig.__dataclass_fields__})
+    lens = [len(p) for p in bench.make_prompts(cfg)]
+    assert len(result["runs"]) == 2 and result["rows"] in [run["rows"] for run in result["runs"]]
+    for run in result["runs"]:
+        roof = run["roof"]
+        assert roof["seconds"] > 0 and roof["gflops"] == pytest.approx(roof["flops"] / roof["seconds"] / 1e9)
+        # the roof's work: the layers on every step's tokens, the LM head on every step's sampled rows
+        per_token = 2 * sum(a * b for a, b in bench.linear_shapes(cfg)) * cfg.num_hidden_layers
+        rows = cfg.num_prompts * cfg.max_new_tokens  # sampled rows: every generated token (no preemption here)
+        head = 2 * cfg.hidden_size * cfg.vocab_size
+        assert roof["flops"] == per_token * (sum(lens) + rows - cfg.num_prompts) + head * rows
+        for r in run["rows"]:
+            assert r["flops"] == bench.count_flops(cfg, lens, r["generated_tokens"])["total"]
+            assert r["gflops"] == pytest.approx(r["flops"] / r["seconds"] / 1e9)
+            assert r["pct_of_roof"] == pytest.approx(r["gflops"] / roof["gflops"])
+        split = next(r for r in run["rows"] if r["impl"] == "pagedkv")["time_split"]
+        assert list(split) == list(bench.SPLIT) and sum(split.values()) == pytest.approx(1.0)
+        assert all(v >= 0 for v in split.values()) and split["attention"] > 0
+    # counted by hand: 2 prompts of 3 tokens, 2 new each -> positions 0..3 of each
+    tiny = bench.BenchConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                             intermediate_size=16, vocab_size=10, max_new_tokens=2)
+    flops = bench.count_flops(tiny, [3, 3], lm_head_rows=4)
+    assert flops["layers"] == 2 * (8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16) * 8
+    assert flops["attention"] == 4 * 2 * 4 * 2 * (1 + 2 + 3 + 4)
+    assert flops["lm_head"] == 2 * 8 * 10 * 4 and flops["total"] == sum(flops[k] for k in ("layers", "attention",
+                                                                                           "lm_head"))
 
 
 @pytest.mark.parametrize("seed", range(6))

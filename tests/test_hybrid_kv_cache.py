@@ -527,3 +527,25 @@ def test_a_step_in_flight_keeps_the_blocks_its_window_reads():
     assert r.num_in_flight_tokens == 0
     s.schedule()  # the decode: 16 computed, the window of position 16 is 13..16
     assert m.get_block_ids("r")[:6] == [0] * 6
+
+
+@pytest.mark.parametrize("specs", [(full(4),), (full(4), swa(4, 8))], ids=["one group", "full+window"])
+def test_cache_blocks_enters_every_groups_block_once_its_sample_arrives(specs):
+    """The async scheduler's path (``AsyncScheduler._update_request_with_output`` calls
+    ``KVCacheManager.cache_blocks``): slots for two samples are allocated before their tokens exist, so the block
+    they fill cannot be hashed then; once the samples arrive, ``cache_blocks`` enters it in every group, and a
+    request with those 8 tokens hits all of them. (Before the fix, a several-group manager cached only what the
+    allocation had hashed: a hit of 4.)"""
+    m = KVCacheManager(config(32, *specs), max_model_len=1024)
+    a = Request("a", list(range(6)), max_tokens=20)
+    hits, _ = m.get_computed_blocks(a)
+    assert m.allocate_slots(a, 6, hits) is not None
+    a.num_computed_tokens = 6
+    assert m.allocate_slots(a, 2) is not None  # two placeholders: tokens 6 and 7 not sampled yet
+    assert [g.num_cached_block["a"] for g in m.coordinator.single_type_managers] == [1] * len(specs)
+    a.append_output_token_ids(100)
+    a.append_output_token_ids(101)
+    a.num_computed_tokens = 8
+    m.cache_blocks(a, 8)
+    assert [g.num_cached_block["a"] for g in m.coordinator.single_type_managers] == [2] * len(specs)
+    assert m.get_computed_blocks(Request("b", [*range(6), 100, 101, 5], max_tokens=3))[1] == 8

@@ -65,7 +65,8 @@ def _check(out, ref, dtype, what):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+# groups 1 and 8 (the extremes) in the fast tier, 2 and 4 in the full suite
+@pytest.mark.parametrize("group", [1, *(pytest.param(g, marks=pytest.mark.slow) for g in (2, 4)), 8])
 @pytest.mark.parametrize("version", DECODE_VERSIONS)
 def test_decode_versions_match_reference(version, group, head_dim, dtype):
     q, kc, vc, bt, sl, ref = _decode_case(RAGGED, 2, group, head_dim, dtype, seed=group * 1000 + head_dim)
@@ -77,7 +78,7 @@ def test_decode_versions_match_reference(version, group, head_dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, *(pytest.param(n, marks=pytest.mark.slow) for n in (4, 5, 6)), 8])
 def test_split_k_every_split_count(num_splits, dtype):
     # 64-token tiles: lengths 1 .. 320 give 1 .. 5 tiles, so some slices are empty at every split count >= 2.
     lens = [1, 64, 65, 200, 320]
@@ -203,7 +204,14 @@ def _launch_config(cfg, out, q, kc, vc, bt, sl, k_scale=1.0, v_scale=1.0):
         launch_decode_v4(out, q, kc, vc, bt, sl, scale, num_splits=cfg.num_splits, **kw)
 
 
-@pytest.mark.parametrize("cfg", pk.dispatch.reachable_configs(132),
+def _one_per_version_fast(configs):
+    """The fast tier runs the first configuration of each version; the rest (a few seconds each in the
+    interpreter) are marked slow and run in the full suite."""
+    first: dict[int, object] = {}
+    return [pytest.param(c, marks=() if first.setdefault(c.version, c) is c else pytest.mark.slow) for c in configs]
+
+
+@pytest.mark.parametrize("cfg", _one_per_version_fast(pk.dispatch.reachable_configs(132)),
                          ids=lambda c: f"v{c.version}-t{c.tile_tokens}-s{c.num_splits}")
 def test_every_configuration_the_dispatch_can_choose_is_exact(cfg):
     """Each (version, tile, warps, stages, splits) the rule can return, against float64, on ragged lengths
@@ -413,6 +421,7 @@ def test_interpreter_refuses_bfloat16():
         paged_attention_decode(**args)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_import_turns_on_the_interpreter_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import os, torch, pagedkv.kernels; print(torch.cuda.is_available(), os.environ.get('TRITON_INTERPRET'))"

@@ -110,7 +110,7 @@ OPS = st.lists(
 )
 
 
-def run(m: KVCacheManager, ops: list[tuple], forks: bool) -> None:
+def run(m: KVCacheManager, ops: list[tuple], forks: bool = True) -> None:
     replay, live, n = Replay(), [], 0
     for op in ops:
         kind = op[0]
@@ -159,8 +159,7 @@ def test_event_stream_replays_to_the_pool_with_two_groups(num_blocks: int, windo
     swa = SlidingWindowSpec(block_size=2, num_kv_heads=1, head_size=1, dtype="float16", sliding_window=window)
     groups = [KVCacheGroupSpec(["full"], full), KVCacheGroupSpec(["swa"], swa)]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
-    # No forks here: a fork's copy-on-write in a several-group manager is not yet recorded as an event.
-    run(KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True), ops, forks=False)
+    run(KVCacheManager(config, max_model_len=64, enable_kv_cache_events=True), ops, forks=True)
 
 
 def test_events_off_by_default_and_take_events_drains() -> None:

@@ -239,6 +239,7 @@ def test_issue_9_priority_victim_scheduled_earlier_in_the_step_leaves_no_unwritt
     assert num_hit_tokens == 24  # the six blocks A really computed
 
 
+@pytest.mark.slow
 def test_fuzz_finds_the_issue_9_bug_when_the_fix_is_removed(monkeypatch):
     """The fuzz is strong enough to see the bug it guards against: with the fix taken out, some seeds fail."""
     monkeypatch.setattr(Scheduler, "_uncache_unwritten_blocks", lambda self, request: None)

@@ -17,7 +17,7 @@ import pytest
 
 from pagedkv.benchmarks.serve import parse_metrics
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv.entrypoints.api_server import bind_socket, build_app, build_engine
+from pagedkv.entrypoints.api_server import bind_socket, build_app, build_engine, describe_kv_pool
 from pagedkv.entrypoints.cli_args import make_arg_parser
 from pagedkv.entrypoints.tiny import tiny_model, tiny_tokenizer
 
@@ -276,6 +276,55 @@ def test_cache_salt_isolates_tenants(srv):
     idle(srv)
 
 
+MUTATIONS = [("n", 0, "n must be an int >= 1"), ("max_tokens", -3, "max_tokens must be"),
+             ("temperature", 7.0, "temperature must be"), ("top_k", -5, "top_k must be"),
+             ("top_p", 0.0, "top_p must be"), ("seed", 2**70, "seed must be"),
+             ("stop_token_ids", [1, -2], "stop_token_ids")]
+
+
+@pytest.fixture(scope="module")
+def small_llm() -> LLM:
+    return LLM(tiny_model(0), num_gpu_blocks=40, block_size=8, max_model_len=64)
+
+
+@pytest.mark.parametrize("field, value, message", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_async_generate_checks_a_field_changed_after_construction(small_llm, field, value, message):
+    """``AsyncLLM.generate`` re-checks its ``SamplingParams`` as ``LLM.generate`` does (the same
+    ``SamplingParams.verified``): ``sp.n = 0`` used to yield nothing and return; now the call raises
+    ``InvalidRequestError`` and leaves the engine, the pool and the loop's queues as they were."""
+    from pagedkv.engine.async_llm import AsyncLLM, InvalidRequestError
+
+    llm = small_llm
+    engine = AsyncLLM(llm, "tiny")
+    prompt = [5, 17, 42, 8, 99, 3]
+
+    def state():
+        s = llm.scheduler
+        return (s.kv_cache_manager.block_pool.get_num_free_blocks(), len(s.waiting), len(s.running),
+                sorted(s.requests), dict(engine._states), dict(engine._queues), list(engine._pending))
+
+    async def tokens(sp):
+        return [t for d in [d async for d in engine.generate(prompt, sp)] for t in d.token_ids]
+
+    async def main():
+        await engine.start()
+        try:
+            before = state()
+            expected = await tokens(SamplingParams(max_tokens=4, temperature=0.0))
+            assert state() == before
+            sp = SamplingParams(max_tokens=4, temperature=0.0)
+            setattr(sp, field, value)
+            with pytest.raises(InvalidRequestError, match=message):
+                await tokens(sp)
+            assert state() == before
+            assert getattr(sp, field) == value  # the caller's object is not touched
+            assert await tokens(SamplingParams(max_tokens=4, temperature=0.0)) == expected
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_contiguous_reservation_same_tokens_fewer_running():
     """--kv-reservation contiguous: the same greedy tokens, each request holding ceil(max_model_len / block_size)
     blocks from admission, so at most (BLOCKS - 1) // 16 = 3 run at once."""
@@ -320,6 +369,45 @@ def test_bench_serve_against_the_server(srv, tmp_path):
     assert out["timeseries"] and out["max_running"] >= 1
 
 
+def test_compare_interleaves_the_modes_and_aggregate_takes_the_median(srv, tmp_path):
+    """compare(): repetition, then rate, then mode, each run tagged; aggregate(): one row per (mode, rate) with
+    the median and the min-max of the main figures, which format_table and plot show."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pagedkv.benchmarks.serve import aggregate, compare, format_table, plot, sharegpt_like_requests
+
+    reqs = sharegpt_like_requests(3, MAX_MODEL_LEN, 512, seed=5, scale=0.02)
+    bases = {"a": srv.base, "b": srv.base}
+    runs = asyncio.run(compare(bases, "tiny", reqs, [float("inf"), 50.0], repeats=2, poll=0.05))
+    assert [(r["repeat"], r["request_rate"], r["mode"]) for r in runs] == [
+        (i, rate, m) for i in (0, 1) for rate in ("inf", 50.0) for m in ("a", "b")]
+    assert all(r["completed"] == 3 and r["failed"] == 0 for r in runs)
+    rows = aggregate(runs)
+    assert [(r["mode"], r["request_rate"], r["repeats"]) for r in rows] == [
+        ("a", "inf", 2), ("b", "inf", 2), ("a", 50.0, 2), ("b", 50.0, 2)]
+    for row in rows:
+        key = (row["mode"], row["request_rate"])
+        values = [r["median_ttft_ms"] for r in runs if (r["mode"], r["request_rate"]) == key]
+        assert row["median_ttft_ms"] == pytest.approx(sum(values) / 2)  # the median of two
+        assert row["median_ttft_ms_min"] == min(values) and row["median_ttft_ms_max"] == max(values)
+        assert row["total_output_tokens"] == sum(r.output_len for r in reqs)
+    table = format_table(rows)
+    assert "req/s range" in table.splitlines()[0] and "TTFT med range" in table.splitlines()[0]
+    plot(rows, str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    idle(srv)
+
+
+def test_bench_serve_repeats_flag():
+    from pagedkv.benchmarks.serve import build_parser
+
+    assert build_parser().parse_args(["--launch", "tiny", "--repeats", "3"]).repeats == 3
+    assert build_parser().parse_args(["--launch", "tiny"]).repeats == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--launch", "tiny", "--repeats", "0"])
+
+
 @pytest.mark.slow
 def test_pagedkv_serve_command_answers_the_openai_client(tmp_path):
     """``pagedkv serve tiny --port 0`` as a learner starts it: it prints its address, answers, and stops."""
@@ -348,6 +436,40 @@ def test_the_gpu_serve_step_is_planned_and_its_flags_parse(tmp_path):
     server = make_arg_parser().parse_args(["tiny", *shlex.split(bench.server_args)])
     assert json.loads(server.hf_overrides)["num_hidden_layers"] == 16
     assert server.kv_cache_memory_bytes == dc.SERVE_KV_BYTES and server.max_model_len == 2048
+
+
+def test_start_up_text_is_true_on_a_cpu_and_names_only_real_flags(capsys):
+    """On a CPU the server says how its pool was sized without GPU wording (no "GPU KV cache size", no "# GPU
+    blocks") and names only flags `pagedkv serve` has (it used to suggest a `total_memory` that no flag sets)."""
+    import re
+
+    parser = make_arg_parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for argv, says in ((["--gpu-memory-utilization", "0.05"], "a CPU has no device memory to profile"),
+                       (["--num-gpu-blocks", "48"], "48 blocks of 16 tokens"),
+                       (["--kv-cache-memory-bytes", str(2**20)], "--kv-cache-memory-bytes 1,048,576")):
+        engine, _ = build_engine(parser.parse_args(["tiny", "--max-model-len", "128", *argv]))
+        out = capsys.readouterr().out
+        assert says in out and f"{engine.llm.num_gpu_blocks:,} blocks of 16 tokens (" in out, out
+        for wrong in ("GPU KV cache", "GPU blocks", "CUDA graph", "total_memory", "Memory profiling"):
+            assert wrong not in out, (wrong, out)
+        assert set(re.findall(r"--[a-z][a-z-]+", out)) <= flags, out
+    assert "Choose its size with --num-gpu-blocks N or --kv-cache-memory-bytes BYTES." in \
+        describe_kv_pool(engine.llm, parser.parse_args(["tiny"]), "")
+
+
+def test_start_up_text_on_a_gpu_is_the_measured_profile():
+    """On a CUDA GPU a profiled pool is described by the profile's own lines (vLLM's start-up log, measured);
+    a pool set by a flag by one line naming the flag and the device."""
+    import torch
+
+    gpu = SimpleNamespace(device=torch.device("cuda", 0), num_gpu_blocks=1000, block_size=16, max_model_len=2048,
+                          memory_profile=object(), runner=SimpleNamespace(kv_cache_bytes=lambda: 1000 * 2**16))
+    log = "Memory profiling (measured): total memory 139.8 GiB ...\n# GPU blocks: 1000, concurrency ...\n"
+    parser = make_arg_parser()
+    assert describe_kv_pool(gpu, parser.parse_args(["tiny"]), log) == log.rstrip()
+    line = describe_kv_pool(gpu, parser.parse_args(["tiny", "--num-gpu-blocks", "1000"]), "")
+    assert line.startswith("KV pool: 1,000 blocks of 16 tokens (62.5 MiB on cuda:0), as --num-gpu-blocks sets")
 
 
 def test_hf_overrides_and_kv_cache_memory_bytes_size_the_engine():

@@ -212,15 +212,32 @@ def test_colab_cells_check_flags_and_then_fixes_a_notebook(tmp_path: Path, monke
 
 
 def test_lessons_carry_the_current_set_up_cell() -> None:
-    """A lesson that has the set-up cell has today's text (run tools/colab_cells.py after changing it)."""
+    """Every lesson opens with today's badge and set-up cell, tagged (run tools/colab_cells.py after changing
+    them): the tool would change nothing in any of them."""
     stale = []
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
-        cells = [c for c in nb.cells if colab_cells.SETUP_TAG in c.get("metadata", {}).get("tags", [])]
-        if cells and (cells[0].source != colab_cells.setup_cell_source() or nb.cells[1] is not cells[0]):
+        if colab_cells.apply(nb, path):
             stale.append(path.name)
     assert not stale, f"run: .venv/bin/python tools/colab_cells.py {' '.join('notebooks/' + s for s in stale)}"
     assert "00_primer.ipynb" in {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
+
+
+def test_colab_cells_replaces_untagged_copies_instead_of_adding_more(tmp_path: Path, monkeypatch) -> None:
+    """A badge and a set-up cell pasted by hand (no tags, older text) are replaced, not kept below new ones."""
+    monkeypatch.setattr(colab_cells, "ROOT", tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[project.urls]\nRepository = "https://github.com/o/r"\n')
+    (tmp_path / "notebooks").mkdir()
+    path = tmp_path / "notebooks" / "10_x.ipynb"
+    old_setup = "# Set-up. Where the lab is not installed, this fetches its set-up script.\nimport sys"
+    cells = [nbformat.v4.new_markdown_cell("[![Open In Colab](https://old/badge)](x)"),
+             nbformat.v4.new_code_cell(old_setup), nbformat.v4.new_markdown_cell("# A lesson")]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    assert colab_cells.apply(nb, path) is True
+    want = [colab_cells.badge_source(path), colab_cells.setup_cell_source(), "# A lesson"]
+    assert [c.source for c in nb.cells] == want
+    assert [c.metadata["tags"] for c in nb.cells[:2]] == [[colab_cells.BADGE_TAG], [colab_cells.SETUP_TAG]]
+    assert colab_cells.apply(nb, path) is False
 
 
 # --- where the course is published: one place, and a clear stop when it does not answer (issue 21, item 9) ----

@@ -87,7 +87,8 @@ VERSIONS = [pytest.param(3, None, id="v3"), pytest.param(4, 2, id="v4-2"), pytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
-@pytest.mark.parametrize("window", [1, 7, 16, 33, 1000])
+@pytest.mark.parametrize("window", [1, pytest.param(7, marks=pytest.mark.slow), 16,
+                                    pytest.param(33, marks=pytest.mark.slow), 1000])
 @pytest.mark.parametrize("version, num_splits", VERSIONS)
 def test_decode_kernels_with_a_window_match_float64(version, num_splits, window, dtype):
     q, kc, vc, bt, sl, full_bt = decode_case(LENS, window, dtype=dtype, seed=window)
@@ -133,7 +134,9 @@ PREFILL = [(70, 70), (50, 9), (40, 33), (100, 4), (17, 1), (90, 1), (33, 16)]
 
 
 @pytest.mark.parametrize("window, group, dtype", [
-    *[pytest.param(w, g, torch.float32, id=f"w{w}-g{g}-fp32") for w in (1, 8, 31, 500) for g in (1, 4)],
+    *[pytest.param(w, g, torch.float32, id=f"w{w}-g{g}-fp32",
+                   marks=() if (w, g) in ((1, 1), (8, 4), (500, 4)) else pytest.mark.slow)  # the rest: full suite
+      for w in (1, 8, 31, 500) for g in (1, 4)],
     pytest.param(8, 4, torch.float16, id="w8-g4-fp16"),
 ])
 def test_prefill_kernel_with_a_window_matches_float64(window, group, dtype):

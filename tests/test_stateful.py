@@ -10,6 +10,7 @@ two systems may admit or grow different requests when the pool is tight).
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -103,5 +104,14 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 
-ManagerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
-TestManagerMachine = ManagerMachine.TestCase
+@pytest.mark.slow
+class TestManagerMachine(ManagerMachine.TestCase):
+    """300 random programs of up to 40 steps (the full suite)."""
+
+    settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+class TestManagerMachineFast(ManagerMachine.TestCase):
+    """The same machine with 50 programs, for the fast tier."""
+
+    settings = settings(max_examples=50, stateful_step_count=40, deadline=None)

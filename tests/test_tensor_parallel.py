@@ -377,7 +377,7 @@ def test_a_worker_error_stops_every_worker():
         llm.scheduler.add_request(__import__("pagedkv").Request("x", [1, 2, 3], 2))
         so = llm.scheduler.schedule()
         with pytest.raises(WorkerError, match="rank 1"):
-            llm.executor.collective_rpc("execute_model", per_rank_args=[(so, None), (None, None)])  # rank 1 raises
+            llm.executor.collective_rpc("execute_model", per_rank_args=[(so,), (None,)])  # rank 1 raises
         assert _wait_gone([p.pid for p in llm.executor.procs], timeout=15) == []
         with pytest.raises(WorkerError, match="create a new LLM"):
             llm.generate([[1, 2]], GREEDY, use_tqdm=False)

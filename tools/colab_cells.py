@@ -81,8 +81,18 @@ from pagedkv.setup_env import prepare
 report = prepare()"""
 
 
+def _tags(cell: nbformat.NotebookNode) -> list[str]:
+    return cell.get("metadata", {}).get("tags", [])
+
+
 def _tagged(cell: nbformat.NotebookNode, tag: str) -> bool:
-    return tag in cell.get("metadata", {}).get("tags", [])
+    """``cell`` is this tool's badge or set-up cell: it carries ``tag``, or it is an untagged copy written by hand
+    or by an older version of the tool (its opening line is the badge's or the set-up cell's), to be replaced."""
+    if tag in _tags(cell):
+        return True
+    opening = {BADGE_TAG: ("markdown", "[![Open In Colab]("), SETUP_TAG: ("code", "# Set-up. Where the lab is not")}
+    kind, start = opening[tag]
+    return cell.cell_type == kind and cell.source.startswith(start)
 
 
 def apply(nb: nbformat.NotebookNode, notebook: Path) -> bool:
@@ -91,9 +101,9 @@ def apply(nb: nbformat.NotebookNode, notebook: Path) -> bool:
     setup = nbformat.v4.new_code_cell(setup_cell_source(), metadata={"tags": [SETUP_TAG]})
     old_badge = next((c for c in nb.cells if _tagged(c, BADGE_TAG)), None)
     old_setup = next((c for c in nb.cells if _tagged(c, SETUP_TAG)), None)
-    if old_setup is not None and old_setup.source == setup.source:
+    if old_setup is not None and old_setup.source == setup.source and SETUP_TAG in _tags(old_setup):
         setup = old_setup  # keep its outputs and execution count
-    if old_badge is not None and old_badge.source == badge.source:
+    if old_badge is not None and old_badge.source == badge.source and BADGE_TAG in _tags(old_badge):
         badge = old_badge
     rest = [c for c in nb.cells if not (_tagged(c, BADGE_TAG) or _tagged(c, SETUP_TAG))]
     cells = [badge, setup, *rest]

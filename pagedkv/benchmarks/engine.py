@@ -26,6 +26,19 @@ these sizes every operation is small, and on a shared machine a second OpenMP th
 (measured on a busy 2-core box: one decode step 15-40x slower with two threads than with one, for every
 implementation alike). ``--gpu`` is the prepared GPU run: a ~1B-parameter Llama-shaped model (random weights,
 bf16), 256 prompts, CUDA graphs, a few minutes on one GPU.
+
+**The roof.** In the same run, with the same thread count, the machine's own matrix-multiply speed is measured
+on the model's own linear layers (its weights, ``F.linear``) at the step sizes the engine ran: every layer's
+q/k/v/o, gate/up/down at each step's token count, and the LM head at each step's sampled rows
+(:func:`measure_roof`). Each implementation's useful work is counted from the config (:func:`count_flops`: the
+layers on every real token, attention over the real context lengths, the LM head on the rows it computes), and
+``gflops`` = that work over its wall time, ``pct_of_roof`` = ``gflops`` over the roof's. The engine's wall time is
+split (``time_split``) into the forward (layers and LM head), attention (every layer's attention call), sampling,
+scheduling, input preparation and the rest (taking samples back, outputs, the ``generate`` loop).
+
+The default (CPU) run repeats everything ``--runs`` times (3) and writes ``benchmarks/results/cpu/<date>-<N>core/
+engine.json`` (and ``engine.png``): ``rows`` is the median run's (by the engine's share of the roof), ``runs``
+holds every run, ``spread`` each implementation's range over them.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ class BenchConfig:
     seed: int = 0
     threads: int | None = 1  # torch intra-op threads on a CPU (None: torch's default)
     impls: list[str] = field(default_factory=lambda: list(IMPLS))
+    runs: int = 1  # repetitions of the whole comparison (each with its own roof); main() makes the default run 3
 
     @classmethod
     def tiny(cls) -> BenchConfig:
@@ -99,6 +113,78 @@ def lm_head_share(cfg: BenchConfig) -> float:
     layer = attn + 3 * cfg.hidden_size * cfg.intermediate_size
     head = cfg.hidden_size * cfg.vocab_size
     return head / (cfg.num_hidden_layers * layer + head)
+
+
+def linear_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
+    """One decoder layer's linear layers as ``(in_features, out_features)``: q, k, v, o, gate, up, down
+    (``LlamaAttention`` / ``LlamaMLP``)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    d = h // cfg.num_attention_heads
+    hq, hkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return [(h, hq), (h, hkv), (h, hkv), (hq, h), (h, i), (h, i), (i, h)]
+
+
+def count_flops(cfg: BenchConfig, prompt_lens: list[int], lm_head_rows: int) -> dict[str, float]:
+    """The useful floating-point operations of generating ``max_new_tokens`` for every prompt, counted from the
+    config (a multiply-add is 2 FLOPs): ``layers``, every decoder layer's linear layers on every real token (each
+    prompt token and each generated token but the last, which is never fed back; padding not counted);
+    ``attention``, ``Q·Kᵀ`` and ``P·V`` of each such token over its real context (``4·Hq·D·(p+1)`` per layer at
+    position ``p``); ``lm_head``, ``2·H·V`` per computed row; ``matmul`` = layers + LM head (what the roof
+    measures) and ``total``."""
+    per_token = 2 * sum(a * b for a, b in linear_shapes(cfg)) * cfg.num_hidden_layers
+    d = cfg.hidden_size // cfg.num_attention_heads
+    tokens = [n + cfg.max_new_tokens - 1 for n in prompt_lens]  # positions 0 .. n-1 of each request
+    layers = per_token * sum(tokens)
+    attention = 4 * cfg.num_attention_heads * d * cfg.num_hidden_layers * sum(n * (n + 1) // 2 for n in tokens)
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size * lm_head_rows
+    return {"layers": float(layers), "attention": float(attention), "lm_head": float(lm_head),
+            "matmul": float(layers + lm_head), "total": float(layers + attention + lm_head)}
+
+
+def measure_roof(model: torch.nn.Module, cfg: BenchConfig, steps: list[tuple[int, int]],
+                 repeats: int = 3) -> dict[str, Any]:
+    """The matrix-multiply roof at the run's step sizes: ``steps`` are the engine's ``(tokens, sampled rows)``
+    per step; for each distinct token count, every layer's seven ``F.linear`` calls with the model's own weights
+    on a ``[tokens, in]`` input (best of ``repeats``), and for each distinct row count the LM head; the roof's
+    seconds are those times summed over the steps, its ``gflops`` the steps' matmul FLOPs over them. Same
+    process, same thread count as the implementations just measured."""
+    import torch.nn.functional as F
+
+    weights = []  # [(in, out) weight of every linear layer of every decoder layer]
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        weights += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, m.gate_proj.weight,
+                    m.up_proj.weight, m.down_proj.weight]
+    head = model.get_output_embeddings().weight  # [V, H]
+    dev, dtype = head.device, head.dtype
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+
+    def best(fn) -> float:
+        fn()  # warm-up
+        _sync(cfg.device)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            _sync(cfg.device)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def layers_at(t: int):
+        xs = {n: torch.randn(t, n, generator=gen).to(dev, dtype) for n in {w.shape[1] for w in weights}}
+        return lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
+
+    def head_at(r: int):
+        x = torch.randn(r, head.shape[1], generator=gen).to(dev, dtype)
+        return lambda: F.linear(x, head)
+
+    layer_s = {t: best(layers_at(t)) for t in sorted({t for t, _ in steps if t})}
+    head_s = {r: best(head_at(r)) for r in sorted({r for _, r in steps if r})}
+    seconds = sum(layer_s.get(t, 0.0) + head_s.get(r, 0.0) for t, r in steps)
+    per_token = 2 * sum(w.shape[0] * w.shape[1] for w in weights)
+    flops = sum(per_token * t + 2 * head.shape[0] * head.shape[1] * r for t, r in steps)
+    return {"seconds": seconds, "flops": float(flops), "gflops": flops / seconds / 1e9 if seconds else 0.0,
+            "steps": len(steps), "step_tokens": sorted({t for t, _ in steps}), "repeats": repeats}
 
 
 def build_model(cfg: BenchConfig) -> torch.nn.Module:
@@ -218,9 +304,27 @@ def step_times(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     compute; on a GPU the launches, the device runs on) and taking the samples back (``update_ms``).
     ``host_ms`` = scheduling + input preparation: the host work async scheduling overlaps with the forward."""
     steps = max(1, int(after["steps"] - before["steps"]))
-    ms = {k[:-2] + "_ms": 1e3 * (after[k] - before[k]) / steps for k in ("schedule_s", "prepare_s", "forward_s",
-                                                                        "update_s")}
+    ms = {k[:-2] + "_ms": 1e3 * (after.get(k, 0.0) - before.get(k, 0.0)) / steps
+          for k in ("schedule_s", "prepare_s", "forward_s", "attention_s", "sample_s", "update_s")}
     return {"steps": steps, **ms, "host_ms": ms["schedule_ms"] + ms["prepare_ms"]}
+
+
+SPLIT = ("forward", "attention", "sampling", "scheduling", "input_preparation", "other")
+
+
+def time_split(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """The engine's wall ``seconds`` of a timed run as shares (summing to 1) of :data:`SPLIT`, from the engine
+    core's counters: ``forward`` (the decoder's layers, norms and LM head: the forward minus attention and the
+    sampler), ``attention`` (every layer's attention call: writing the new K/V and attending), ``sampling``,
+    ``scheduling``, ``input_preparation`` (the runner's state updates, block moves and device batch) and
+    ``other`` (taking the samples back, outputs, the ``generate`` loop: the rest of the wall time)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("schedule_s", "prepare_s", "forward_s",
+                                                             "attention_s", "sample_s")}
+    parts = {"forward": d["forward_s"] - d["attention_s"] - d["sample_s"], "attention": d["attention_s"],
+             "sampling": d["sample_s"], "scheduling": d["schedule_s"], "input_preparation": d["prepare_s"]}
+    parts["other"] = max(0.0, seconds - sum(parts.values()))
+    total = sum(parts.values())
+    return {k: parts[k] / total if total else 0.0 for k in SPLIT}
 
 
 def run_pagedkv(model, prompts, cfg: BenchConfig, budget: int, engine=None) -> list[list[int]]:
@@ -275,47 +379,50 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(threads_before)
 
 
+@contextlib.contextmanager
+def recorded_steps(engine) -> Iterator[list[tuple[int, int]]]:
+    """The engine's steps while the context is open, as ``(scheduled tokens, sampled rows)``: the step sizes the
+    roof is measured at (a sampled row is a request whose chunk reaches the end of its tokens)."""
+    executor = engine.engine_core.model_executor
+    inner = executor.execute_model
+    steps: list[tuple[int, int]] = []
+
+    def execute_model(so, *args, **kwargs):
+        if so.total_num_scheduled_tokens:
+            partial = so.partial_prefill_req_ids or set()
+            steps.append((so.total_num_scheduled_tokens, sum(r not in partial for r in so.num_scheduled_tokens)))
+        return inner(so, *args, **kwargs)
+
+    executor.execute_model = execute_model
+    try:
+        yield steps
+    finally:
+        del executor.execute_model  # the bound method again
+
+
 def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     model = build_model(cfg)
     prompts = make_prompts(cfg)
     budget = kv_budget_tokens(cfg, prompts)
-    warm = BenchConfig(**{**asdict(cfg), "num_prompts": 2, "max_new_tokens": 2})
-    rows: list[dict[str, Any]] = []
-    reference: list[list[int]] | None = None
-    for impl in tqdm(cfg.impls, desc="engine bench", disable=not progress):
-        extra: dict[str, Any] = {}
-        kwargs: dict[str, Any] = {}
-        if impl in SETUPS:
-            t0 = time.perf_counter()
-            kwargs["engine"] = SETUPS[impl](model, cfg, budget)
-            _sync(cfg.device)
-            extra["setup_seconds"] = time.perf_counter() - t0
-        RUNNERS[impl](model, prompts[:2], warm, budget, **kwargs)  # warm-up: first-call costs out of the timing
-        _sync(cfg.device)
-        before = dict(kwargs["engine"].stats) if "engine" in kwargs else None
-        t0 = time.perf_counter()
-        outs = RUNNERS[impl](model, prompts, cfg, budget, **kwargs)
-        _sync(cfg.device)
-        seconds = time.perf_counter() - t0
-        if before is not None:
-            extra["step_times"] = step_times(before, kwargs["engine"].stats)
-        generated = sum(len(o) for o in outs)
-        if reference is None:
-            reference = outs
-        rows.append({
-            "impl": impl,
-            "tokens_per_s": generated / seconds,
-            "seconds": seconds,
-            "generated_tokens": generated,
-            "match": sum(a == b for a, b in zip(outs, reference, strict=True)) / len(prompts),
-            **extra,
-        })
-    best_hf = {r["impl"]: r["tokens_per_s"] for r in rows}
-    if "pagedkv" in best_hf:
-        for r in rows:
-            r["pagedkv_speedup"] = best_hf["pagedkv"] / r["tokens_per_s"]
+    runs = []
+    bar = tqdm(total=cfg.runs * (len(cfg.impls) + 1), desc="engine bench", disable=not progress)
+    for _ in range(cfg.runs):
+        runs.append(_run_once(model, prompts, budget, cfg, bar))
+    bar.close()
+    # the median run by the engine's share of the roof (else by the first implementation's tokens/s)
+    def key(run: dict[str, Any]) -> float:
+        rows = {r["impl"]: r for r in run["rows"]}
+        r = rows.get("pagedkv", run["rows"][0])
+        return r.get("pct_of_roof", r["tokens_per_s"])
+
+    median = sorted(runs, key=key)[(len(runs) - 1) // 2]
+    spread: dict[str, dict[str, list[float]]] = {}
+    for impl in cfg.impls:
+        mine = [next(r for r in run["rows"] if r["impl"] == impl) for run in runs]
+        spread[impl] = {k: [min(r[k] for r in mine), max(r[k] for r in mine)]
+                        for k in ("tokens_per_s", "gflops", "pct_of_roof", "pagedkv_speedup") if k in mine[0]}
     import transformers
 
     config = {
@@ -331,16 +438,105 @@ def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
         "machine": cpu_model(),
         "cpu_count": os.cpu_count(),
         "num_threads": torch.get_num_threads(),
+        "load_avg": _load_avg(),
         "gpu": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None,
     }
-    return {"rows": rows, "config": config}
+    return {"rows": median["rows"], "roof": median["roof"], "flops": median["flops"], "runs": runs,
+            "spread": spread, "config": config}
+
+
+def _load_avg() -> list[float] | None:
+    """The machine's 1-, 5- and 15-minute load averages (``os.getloadavg``) where there are any."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _run_once(model, prompts: list[list[int]], budget: int, cfg: BenchConfig, bar) -> dict[str, Any]:
+    """Every implementation once (after a small warm-up of each), then the roof at the engine's step sizes."""
+    warm = BenchConfig(**{**asdict(cfg), "num_prompts": 2, "max_new_tokens": 2})
+    rows: list[dict[str, Any]] = []
+    reference: list[list[int]] | None = None
+    steps: list[tuple[int, int]] = []
+    load_before = _load_avg()
+    for impl in cfg.impls:
+        extra: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}
+        if impl in SETUPS:
+            t0 = time.perf_counter()
+            kwargs["engine"] = SETUPS[impl](model, cfg, budget)
+            _sync(cfg.device)
+            extra["setup_seconds"] = time.perf_counter() - t0
+        # warm-up: first-call costs out of the timing; on prompts of their own (reversed), so that the engine's
+        # prefix cache holds none of the timed prompts' blocks
+        RUNNERS[impl](model, [p[::-1] for p in prompts[:2]], warm, budget, **kwargs)
+        _sync(cfg.device)
+        engine = kwargs.get("engine")
+        before = dict(engine.stats) if engine is not None else None
+        with recorded_steps(engine) if engine is not None else contextlib.nullcontext([]) as impl_steps:
+            t0 = time.perf_counter()
+            outs = RUNNERS[impl](model, prompts, cfg, budget, **kwargs)
+            _sync(cfg.device)
+            seconds = time.perf_counter() - t0
+        if before is not None:
+            extra["step_times"] = step_times(before, engine.stats)
+            extra["time_split"] = time_split(before, engine.stats, seconds)
+            if impl == "pagedkv" or not steps:
+                steps = list(impl_steps)
+        generated = sum(len(o) for o in outs)
+        # the LM head's rows: one per sampled token (the engine: its sampled rows, counted; transformers' generate
+        # and static batch: logits_to_keep=1, one row per step and sequence; generate_batch: one per request and
+        # step, its partial prefill chunks' rows not counted)
+        lm_rows = sum(r for _, r in impl_steps) if engine is not None else generated
+        extra["flops"] = count_flops(cfg, [len(p) for p in prompts], lm_rows)["total"]
+        if reference is None:
+            reference = outs
+        rows.append({
+            "impl": impl,
+            "tokens_per_s": generated / seconds,
+            "seconds": seconds,
+            "generated_tokens": generated,
+            "match": sum(a == b for a, b in zip(outs, reference, strict=True)) / len(prompts),
+            **extra,
+        })
+        bar.update()
+    if not steps:  # no engine in the run: the roof at the transformers' decode steps (one row per prompt)
+        steps = [(len(prompts), len(prompts))] * cfg.max_new_tokens
+    roof = measure_roof(model, cfg, steps)
+    bar.update()
+    for r in rows:
+        r["gflops"] = r["flops"] / r["seconds"] / 1e9
+        r["pct_of_roof"] = r["gflops"] / roof["gflops"] if roof["gflops"] else 0.0
+    by_impl = {r["impl"]: r["tokens_per_s"] for r in rows}
+    if "pagedkv" in by_impl:
+        for r in rows:
+            r["pagedkv_speedup"] = by_impl["pagedkv"] / r["tokens_per_s"]
+    flops = count_flops(cfg, [len(p) for p in prompts], sum(r for _, r in steps))
+    return {"rows": rows, "roof": roof, "flops": flops, "load_avg": [load_before, _load_avg()]}
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{'impl':<20}{'tok/s':>10}{'seconds':>10}{'match':>8}{'pagedkv ×':>12}"]
+    roof, flops = result.get("roof"), result.get("flops")  # absent from runs made before the roof was measured
+    lines = [f"{'impl':<20}{'tok/s':>10}{'seconds':>10}{'match':>8}{'pagedkv ×':>12}"
+             + (f"{'GFLOP/s':>10}{'% roof':>8}" if roof else "")]
     for r in result["rows"]:
         lines.append(f"{r['impl']:<20}{r['tokens_per_s']:>10.1f}{r['seconds']:>10.2f}{r['match']:>8.0%}"
-                     f"{r.get('pagedkv_speedup', float('nan')):>11.2f}×")
+                     f"{r.get('pagedkv_speedup', float('nan')):>11.2f}×"
+                     + (f"{r['gflops']:>10.1f}{r['pct_of_roof']:>8.0%}" if roof else ""))
+    if roof and flops:
+        lines.append(f"roof: F.linear on the model's own layers at the engine's {roof['steps']} step sizes, "
+                     f"{roof['gflops']:.1f} GFLOP/s ({roof['seconds']:.2f} s for {roof['flops'] / 1e9:.1f} GFLOP); "
+                     f"work counted: {flops['total'] / 1e9:.1f} GFLOP (layers {flops['layers'] / 1e9:.1f}, attention "
+                     f"{flops['attention'] / 1e9:.1f}, LM head {flops['lm_head'] / 1e9:.1f})")
+    runs = result.get("runs") or []
+    if len(runs) > 1:
+        sp = result["spread"]
+        lines.append(f"{len(runs)} runs (the table: the median by pagedkv's % of the roof); ranges: " + "; ".join(
+            f"{impl} {v['pct_of_roof'][0]:.0%}-{v['pct_of_roof'][1]:.0%} of the roof"
+            + (f", pagedkv {v['pagedkv_speedup'][0]:.2f}-{v['pagedkv_speedup'][1]:.2f}×"
+               if "pagedkv_speedup" in v and not impl.startswith("pagedkv") else "")
+            for impl, v in sp.items()))
     c = result["config"]
     lines.append(f"{c['num_prompts']} prompts of {c['min_prompt_len']}-{c['max_prompt_len']} tokens, "
                  f"{c['max_new_tokens']} new tokens each, KV budget {c['kv_budget_tokens']} tokens, "
@@ -353,7 +549,15 @@ def format_table(result: dict[str, Any]) -> str:
         if t:
             lines.append(f"{r['impl']}: {t['steps']} steps; per step, host {t['host_ms']:.2f} ms (scheduling "
                          f"{t['schedule_ms']:.2f} + input preparation {t['prepare_ms']:.2f}) beside the forward "
-                         f"{t['forward_ms']:.2f} ms (update {t['update_ms']:.2f} ms)")
+                         f"{t['forward_ms']:.2f} ms (attention {t.get('attention_ms', 0.0):.2f}, sampling "
+                         f"{t.get('sample_ms', 0.0):.2f}; update {t['update_ms']:.2f} ms)")
+        split = r.get("time_split")
+        if split:
+            lines.append(f"{r['impl']} time split: " + ", ".join(f"{k.replace('_', ' ')} {v:.0%}"
+                                                                 for k, v in split.items()))
+    if c.get("load_avg"):
+        lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in c['load_avg'])} "
+                     f"({c['cpu_count']} CPUs)")
     return "\n".join(lines)
 
 
@@ -390,8 +594,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", nargs="+", choices=sorted(RUNNERS), help="run only these (pagedkv_sync: opt-in)")
     parser.add_argument("--threads", type=int, help="torch threads on a CPU (default 1; 0: torch's default)")
     parser.add_argument("--vocab", type=int, metavar="N", help="the model's vocabulary size (default: the size's own)")
+    parser.add_argument("--runs", type=int, metavar="N",
+                        help="repeat the whole comparison N times (default: 3 for the default run, else 1)")
     args = parser.parse_args(argv)
     cfg = BenchConfig.tiny() if args.tiny else BenchConfig.gpu() if args.gpu else BenchConfig()
+    default_run = not (args.tiny or args.gpu)
+    cfg.runs = args.runs if args.runs is not None else 3 if default_run else 1
+    if cfg.runs < 1:
+        parser.error("--runs must be at least 1")
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU")
     if args.impls:
@@ -405,13 +615,28 @@ def main(argv: list[str] | None = None) -> int:
     with hide_repo_kernels():
         result = run(cfg)
     print(format_table(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+    json_path, plot_path = args.json, args.plot
+    if default_run and not json_path and not args.impls:  # the default run is kept where the earlier runs are
+        folder = default_results_folder(result)
+        folder.mkdir(parents=True, exist_ok=True)
+        name = "engine" if args.vocab is None else f"engine_vocab{cfg.vocab_size}"
+        json_path, plot_path = str(folder / f"{name}.json"), plot_path or str(folder / f"{name}.png")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
-    if args.plot:
-        plot(result, args.plot)
+        print(f"wrote {json_path}")
+    if plot_path:
+        plot(result, plot_path)
     return 0
+
+
+def default_results_folder(result: dict[str, Any]):
+    """``benchmarks/results/cpu/<date>-<N>core/`` of this checkout: where the default run writes its JSON."""
+    from pagedkv.benchmarks.provenance import REPO_ROOT
+
+    c = result["config"]
+    return REPO_ROOT / "benchmarks" / "results" / "cpu" / f"{c['date'][:10]}-{c['cpu_count']}core"
 
 
 if __name__ == "__main__":

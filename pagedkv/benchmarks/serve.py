@@ -14,7 +14,10 @@ the load ran (sampled every ``--poll`` seconds: the time series go into the JSON
 
 ``--launch MODEL`` starts a server per ``--modes`` entry (``paged``: blocks allocated as tokens arrive;
 ``contiguous``: ``max_model_len`` tokens reserved per request at admission, lesson 1's policy), each on the
-same model and the same KV pool (``--num-gpu-blocks``), on 127.0.0.1 with a free port, and stops it after.
+same model and the same KV pool (``--num-gpu-blocks``), on 127.0.0.1 with a free port, all at once (the modes'
+runs are interleaved, so a slow spell of a shared machine hits them alike), and stops them after.
+``--repeats N`` runs every mode and rate N times; the table and the plot then show the median and the min-max
+range (the JSON keeps every run and the aggregated rows).
 
 Mirrors ``vllm/benchmarks/serve.py`` (``benchmark``, ``calculate_metrics``, ``get_request``) and the random
 and ShareGPT datasets of ``vllm/benchmarks/datasets.py``.
@@ -250,11 +253,59 @@ async def benchmark(base_url: str, model: str, requests: list[SampleRequest], ra
     return summary
 
 
+async def compare(bases: dict[str, str], model: str, requests: list[SampleRequest], rates: Sequence[float],
+                  repeats: int = 1, seed: int = 0, poll: float = 0.25, progress: bool = False) -> list[dict[str, Any]]:
+    """:func:`benchmark` of ``requests`` at every rate on every server of ``bases`` (mode name -> base URL),
+    ``repeats`` times, the modes interleaved (repetition, then rate, then mode): a machine that slows down for a
+    while (another job on a shared CPU) slows every mode alike instead of the one measured then. Repetition ``i``
+    draws its arrivals with ``seed + i``; the requests are the same in all. Each run is tagged ``mode`` and
+    ``repeat``; :func:`aggregate` takes their median."""
+    from tqdm import tqdm  # the text bar: its last state reads well in a saved notebook
+
+    runs: list[dict[str, Any]] = []
+    with tqdm(total=repeats * len(rates) * len(bases), desc="load runs", disable=not progress) as bar:
+        for i in range(repeats):
+            for rate in rates:
+                for mode, base in bases.items():
+                    result = await benchmark(base, model, requests, rate, seed=seed + i, poll=poll)
+                    runs.append(dict(result, mode=mode, repeat=i))
+                    bar.update(1)
+    return runs
+
+
+#: What :func:`aggregate` keeps the spread of (min and max over the repetitions), beside the median.
+SPREAD_KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms", "max_running")
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (mode, rate), in first-seen order: the median over its repetitions of every numeric figure,
+    ``KEY_min`` and ``KEY_max`` for :data:`SPREAD_KEYS`, ``repeats``, and the time series of the last repetition.
+    The median of a few short runs reads right where one long run can be thrown by a burst of load; the min-max
+    range shows how far the repetitions disagreed."""
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["mode"], r["request_rate"]), []).append(r)
+    rows = []
+    for (mode, rate), rs in groups.items():
+        errors = sorted({e for r in rs for e in r["errors"]})
+        row: dict[str, Any] = {"mode": mode, "request_rate": rate, "repeats": len(rs),
+                               "timeseries": rs[-1]["timeseries"], "errors": errors}
+        for key, value in rs[0].items():
+            if key not in row and key != "repeat" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                values = [float(r[key]) for r in rs]
+                row[key] = float(np.median(values))
+                if key in SPREAD_KEYS:
+                    row[f"{key}_min"], row[f"{key}_max"] = min(values), max(values)
+        rows.append(row)
+    return rows
+
+
 class ServerProcess:
     """``pagedkv serve MODEL --host 127.0.0.1 --port 0 ...`` in a child process (one torch thread unless
     ``OMP_NUM_THREADS`` says otherwise). :meth:`start` returns once ``/health`` answers (``base_url`` is then
     set); :meth:`stop` ends it (SIGTERM, then SIGKILL) and is safe to call twice. A notebook starts one in a
-    cell and stops it in a later one; :func:`launched_server` is the ``with`` form."""
+    cell and stops it in a later one; :func:`launched_server` (one) and :func:`launched_servers` (several, started
+    together) are the ``with`` forms."""
 
     def __init__(self, model: str, server_args: Sequence[str] = (), timeout: float = 300.0) -> None:
         self.model, self.server_args, self.timeout = model, list(server_args), timeout
@@ -264,8 +315,12 @@ class ServerProcess:
         self.log: list[str] = []
 
     def start(self) -> ServerProcess:
-        import httpx
+        self.spawn()
+        return self.wait_ready()
 
+    def spawn(self) -> ServerProcess:
+        """Start the process and return at once (:meth:`wait_ready` waits for it): several servers then load
+        their models at the same time."""
         self._tmp = tempfile.TemporaryDirectory()
         port_file = Path(self._tmp.name) / "port"
         log_file = Path(self._tmp.name) / "server.log"
@@ -274,8 +329,18 @@ class ServerProcess:
                "--port", "0", "--port-file", str(port_file), *self.server_args]
         self._log = open(log_file, "w+", encoding="utf-8")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self._deadline = time.monotonic() + self.timeout
+        return self
+
+    def wait_ready(self) -> ServerProcess:
+        """Wait until the spawned server answers ``/health`` (``base_url`` is then set); stop it and raise if it
+        exits or does not answer within ``timeout`` seconds of :meth:`spawn`."""
+        import httpx
+
+        assert self.proc is not None and self._tmp is not None, "spawn() first"
+        port_file = Path(self._tmp.name) / "port"
         try:
-            deadline = time.monotonic() + self.timeout
+            deadline = self._deadline
             while not port_file.exists() or not port_file.read_text().strip():
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"the server exited ({self.proc.returncode}): {self.output()[-2000:]}")
@@ -320,13 +385,25 @@ class ServerProcess:
 def launched_server(model: str, server_args: Sequence[str] = (), timeout: float = 300.0) -> Iterator[str]:
     """A :class:`ServerProcess` for the ``with`` block, yielding its base URL; stopped on exit, whatever
     happens."""
-    server = ServerProcess(model, server_args, timeout)
-    server.start()
+    with launched_servers(model, {"": server_args}, timeout) as bases:
+        yield bases[""]
+
+
+@contextlib.contextmanager
+def launched_servers(model: str, server_args: dict[str, Sequence[str]], timeout: float = 300.0
+                     ) -> Iterator[dict[str, str]]:
+    """One :class:`ServerProcess` per entry of ``server_args`` (a name -> its flags), started together, for the
+    ``with`` block; yields each one's base URL under its name. All are stopped on exit, whatever happens."""
+    servers = {name: ServerProcess(model, args, timeout) for name, args in server_args.items()}
     try:
-        assert server.base_url is not None
-        yield server.base_url
+        for server in servers.values():
+            server.spawn()
+        for server in servers.values():
+            server.wait_ready()
+        yield {name: str(server.base_url) for name, server in servers.items()}
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
@@ -334,38 +411,66 @@ def format_table(runs: list[dict[str, Any]]) -> str:
             ("out tok/s", "output_throughput", "{:.1f}"), ("TTFT med", "median_ttft_ms", "{:.0f}"),
             ("TTFT p99", "p99_ttft_ms", "{:.0f}"), ("TPOT med", "median_tpot_ms", "{:.1f}"),
             ("ITL med", "median_itl_ms", "{:.1f}"), ("ITL p99", "p99_itl_ms", "{:.1f}"),
-            ("preempt", "num_preemptions", "{}"), ("run max", "max_running", "{:.0f}"),
-            ("run mean", "mean_running", "{:.1f}"), ("fail", "failed", "{}")]
-    rows = [[h for h, _, _ in cols]] + [[f.format(r.get(k, "")) for _, k, f in cols] for r in runs]
+            ("preempt", "num_preemptions", "{:g}"), ("run max", "max_running", "{:.0f}"),
+            ("run mean", "mean_running", "{:.1f}"), ("fail", "failed", "{:g}")]
+    if runs and "request_throughput_min" in runs[0]:  # aggregated repetitions: the median, then its range
+        cols[3:3] = [("req/s range", "request_throughput", "range:{:.2f}")]
+        cols[6:6] = [("TTFT med range", "median_ttft_ms", "range:{:.0f}")]
+        cols.insert(2, ("reps", "repeats", "{}"))
+
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        if fmt.startswith("range:"):
+            f = fmt.removeprefix("range:")
+            return f"{f.format(r[key + '_min'])}-{f.format(r[key + '_max'])}"
+        return fmt.format(r.get(key, ""))
+
+    rows = [[h for h, _, _ in cols]] + [[cell(r, k, f) for _, k, f in cols] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 
 
+def _spread(rows: list[dict[str, Any]], key: str) -> list[list[float]]:
+    """Matplotlib's asymmetric error bars: how far below and above the median the min and max lie."""
+    return [[r[key] - r[f"{key}_min"] for r in rows], [r[f"{key}_max"] - r[key] for r in rows]]
+
+
 def plot(runs: list[dict[str, Any]], path: str | None = None) -> Any:
-    """Latency against achieved throughput per mode (median TTFT and TPOT), and the running batch and the
-    preemptions over time at the highest rate. Saved to ``path`` when given; returns the figure."""
+    """Latency against achieved throughput per mode (median TTFT and TPOT; for :func:`aggregate`'s rows, the
+    median of the repetitions with min-max bars on both axes), and at the highest rate the running batch and
+    the KV cache usage over time, each preemption marked on the usage. Saved to ``path`` when given; returns the
+    figure."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.2))
-    (ttft_ax, tpot_ax), (run_ax, pre_ax) = axes
+    (ttft_ax, tpot_ax), (run_ax, kv_ax) = axes
     for mode in dict.fromkeys(r["mode"] for r in runs):
         rs = [r for r in runs if r["mode"] == mode]
         x = [r["request_throughput"] for r in rs]
-        ttft_ax.plot(x, [r["median_ttft_ms"] for r in rs], "o-", label=mode)
-        tpot_ax.plot(x, [r["median_tpot_ms"] for r in rs], "o-", label=mode)
+        for ax, key in ((ttft_ax, "median_ttft_ms"), (tpot_ax, "median_tpot_ms")):
+            y = [r[key] for r in rs]
+            if f"{key}_min" in rs[0]:  # repetitions: the median, bars from the smallest to the largest
+                ax.errorbar(x, y, fmt="o-", capsize=3, label=f"{mode} (median of {rs[0]['repeats']}, min-max bars)",
+                            xerr=_spread(rs, "request_throughput"), yerr=_spread(rs, key))
+            else:
+                ax.plot(x, y, "o-", label=mode)
         last = rs[-1]
         ts = last["timeseries"]
         label = f"{mode}, rate {last['request_rate']}"
         run_ax.plot([p["t"] for p in ts], [p["running"] for p in ts], label=label)
+        t = [p["t"] for p in ts]
+        line, = kv_ax.plot(t, [100 * p["kv_cache_usage"] for p in ts])
         base = ts[0]["preemptions"] if ts else 0.0
-        pre_ax.plot([p["t"] for p in ts], [p["preemptions"] - base for p in ts], label=label)
+        hits = [i for i in range(1, len(ts)) if ts[i]["preemptions"] > ts[i - 1]["preemptions"]]
+        kv_ax.plot([t[i] for i in hits], [100 * ts[i]["kv_cache_usage"] for i in hits], "x", ms=8,
+                   color=line.get_color())
+        line.set_label(f"{label}: {(ts[-1]['preemptions'] - base) if ts else 0:g} preemptions")
     ttft_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TTFT (ms)", yscale="log",
                 title="time to first token")
     tpot_ax.set(xlabel="achieved throughput (requests/s)", ylabel="median TPOT (ms)", title="time per output token")
     run_ax.set(xlabel="time since the first request (s)", ylabel="running requests",
                title="running batch at the highest rate")
-    pre_ax.set(xlabel="time since the first request (s)", ylabel="preemptions so far",
-               title="preemptions at the highest rate")
+    kv_ax.set(xlabel="time since the first request (s)", ylabel="KV blocks in use (% of the pool)", ylim=(0, 105),
+              title="KV cache usage at the highest rate (x: a preemption)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8, framealpha=0.9)
@@ -373,6 +478,13 @@ def plot(runs: list[dict[str, Any]], path: str | None = None) -> Any:
     if path:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -385,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launch: KV reservation modes to compare (default paged)")
     p.add_argument("--rates", nargs="+", default=["inf"], help="request rates in requests/s; inf = a burst")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--repeats", type=_positive_int, default=1, help="runs per mode and rate, the modes interleaved; "
+                   "the table and the plot show their median and min-max range")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll", type=float, default=0.25, help="seconds between /metrics samples")
@@ -418,31 +532,26 @@ def _model_info(base_url: str) -> tuple[str, int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rates = [float(r) for r in args.rates]
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
-    runs: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
 
-    def sweep(base: str, mode: str) -> None:
-        model, max_len = _model_info(base)
+    def sweep(bases: dict[str, str]) -> list[dict[str, Any]]:
         import httpx
 
-        vocab = args.vocab_size
-        snap = httpx.get(f"{base}/pagedkv/snapshot", timeout=30).json()
-        meta[mode] = {"num_gpu_blocks": snap.get("num_blocks"), "model": model, "max_model_len": max_len}
-        reqs = sharegpt_like_requests(args.num_prompts, max_len, vocab, args.seed, args.length_scale)
-        for rate in rates:
-            summary = asyncio.run(benchmark(base, args.model or model, reqs, rate, args.seed, args.poll,
-                                            args.max_concurrency))
-            summary["mode"] = mode
-            runs.append(summary)
-            print(format_table([summary]).splitlines()[-1], flush=True)
+        model, max_len = _model_info(next(iter(bases.values())))
+        for mode, base in bases.items():
+            snap = httpx.get(f"{base}/pagedkv/snapshot", timeout=30).json()
+            meta[mode] = {"num_gpu_blocks": snap.get("num_blocks"), "model": model, "max_model_len": max_len}
+        reqs = sharegpt_like_requests(args.num_prompts, max_len, args.vocab_size, args.seed, args.length_scale)
+        return asyncio.run(compare(bases, args.model or model, reqs, rates, args.repeats, args.seed, args.poll,
+                                   progress=True))
 
-    if args.launch:
+    if args.launch:  # every mode's server at once, so that compare() can interleave them
         extra = shlex.split(args.server_args)
-        for mode in args.modes:
-            with launched_server(args.launch, [*extra, "--kv-reservation", mode]) as base:
-                sweep(base, mode)
+        with launched_servers(args.launch, {m: [*extra, "--kv-reservation", m] for m in args.modes}) as bases:
+            runs = sweep(bases)
     else:
-        sweep(args.base_url.rstrip("/"), "server")
+        runs = sweep({"server": args.base_url.rstrip("/")})
+    shown = aggregate(runs) if args.repeats > 1 else runs
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     report = {
         "benchmark": "serve", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -452,14 +561,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "note": args.note, "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
         "servers": meta, "runs": runs,
     }
-    print(format_table(runs))
+    if args.repeats > 1:
+        report["aggregated"] = shown
+    print(format_table(shown))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if args.plot:
         import matplotlib
 
         matplotlib.use("Agg")
-        plot(runs, args.plot)
+        plot(shown, args.plot)
     return report
 
 

@@ -220,13 +220,19 @@ class AsyncLLM:
     ) -> AsyncGenerator[CompletionDelta, None]:
         """Queue one prompt (``sampling_params.n`` completions) and yield each completion's deltas as the
         engine produces them, until all ``n`` have finished. ``max_tokens`` in ``sampling_params`` is used as
-        checked by :meth:`check_prompt` (call it first). Cancelling or closing the generator aborts whatever
-        has not finished. Mirrors ``AsyncLLM.generate``."""
+        checked by :meth:`check_prompt` (call it first). ``sampling_params`` is checked again here, as
+        ``LLM.generate`` does (a field set to an invalid value after construction raises
+        :class:`InvalidRequestError`, nothing queued), and the engine keeps its own copy. Cancelling or closing the
+        generator aborts whatever has not finished. Mirrors ``AsyncLLM.generate``."""
         if self.errored:
             raise EngineDeadError(f"the engine loop failed: {self.dead_error}")
         if stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none: use stop_token_ids",
                                       "stop")
+        try:
+            sampling_params = sampling_params.verified()  # the one check, SamplingParams._verify_args
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         base = request_id or f"req-{next(self._ids)}"
         n = sampling_params.n
         q: asyncio.Queue = asyncio.Queue()

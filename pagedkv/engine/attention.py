@@ -20,6 +20,7 @@ kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class AttentionMetadata:
     # The KV cache group's window when it releases the blocks behind it (a SlidingWindowSpec group: those table
     # entries are the null block), else None: the layer's own window, if any, is then only a mask
     sliding_window: int | None = None
+    # When a dict: every layer's attention call adds its host seconds to ``timings["attention_s"]`` (the runner's
+    # time split; on a GPU the launches only, the device runs on)
+    timings: dict[str, float] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -297,6 +301,7 @@ def paged_attention_forward(
         raise ValueError(f"the pagedkv attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
     if isinstance(meta, Mapping):  # several KV cache groups: this layer's group's metadata
         meta = meta[module.layer_idx]
+    t0 = time.perf_counter()
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
@@ -316,6 +321,8 @@ def paged_attention_forward(
     else:
         write_kv_torch(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window)
+    if meta.timings is not None:
+        meta.timings["attention_s"] = meta.timings.get("attention_s", 0.0) + time.perf_counter() - t0
     return out[None], None  # [1, T, Hq, D]
 
 

@@ -120,8 +120,9 @@ class EngineCore:
         self._stop_ids: dict[str, frozenset[int]] = {}
         self._ignore_eos: dict[str, bool] = {}
         self._num_cached: dict[str, int] = {}
+        # attention_s and sample_s are parts of forward_s (the runner's StepTimes)
         self.stats: dict[str, float] = {"steps": 0, "forward_tokens": 0, "schedule_s": 0.0, "prepare_s": 0.0,
-                                        "forward_s": 0.0, "update_s": 0.0}
+                                        "forward_s": 0.0, "attention_s": 0.0, "sample_s": 0.0, "update_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------
     # Requests
@@ -195,6 +196,8 @@ class EngineCore:
         if times is not None:
             self.stats["prepare_s"] += times.prepare_s
             self.stats["forward_s"] += times.forward_s
+            self.stats["attention_s"] += times.attention_s
+            self.stats["sample_s"] += times.sample_s
         if scheduler_output.total_num_scheduled_tokens:
             self.stats["steps"] += 1
             self.stats["forward_tokens"] += scheduler_output.total_num_scheduled_tokens

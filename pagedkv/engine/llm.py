@@ -554,8 +554,8 @@ class LLM:
     @property
     def stats(self) -> dict[str, float]:
         """The engine core's counters: ``steps``, ``forward_tokens``, and host seconds spent scheduling
-        (``schedule_s``), preparing inputs (``prepare_s``), in the forward and sampler (``forward_s``) and updating
-        (``update_s``)."""
+        (``schedule_s``), preparing inputs (``prepare_s``), in the forward and sampler (``forward_s``; of it, every
+        layer's attention call ``attention_s`` and the sampler ``sample_s``) and updating (``update_s``)."""
         return self.engine_core.stats
 
     def _outputs(

@@ -473,10 +473,14 @@ class AsyncModelRunnerOutput:
 class StepTimes:
     """Host seconds of one ``execute_model``: updating the runner's state and preparing inputs (``prepare_s``),
     then launching the forward, LM head and sampler (``forward_s``: on a CPU the compute itself; on a GPU only
-    until the launches return, the device runs on)."""
+    until the launches return, the device runs on). Inside ``forward_s``: the layers' attention calls
+    (``attention_s``: writing the new K/V and attending, every layer; 0 when a CUDA graph replays the step) and
+    the sampler (``sample_s``)."""
 
     prepare_s: float
     forward_s: float
+    attention_s: float = 0.0
+    sample_s: float = 0.0
 
 
 class ModelRunner:
@@ -856,10 +860,13 @@ class ModelRunner:
         batch = self.prepare_inputs_python(so) if python_path else self.prepare_inputs(so)
         self.last_inputs = batch
         t1 = time.perf_counter()
+        timings: dict[str, float] = {}
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.run(batch)
         else:
             meta = self.build_layer_metadata(batch, so)
+            for m in meta.values() if isinstance(meta, dict) else (meta,):
+                m.timings = timings  # every layer adds its attention seconds
             with attn_implementation(self.model, ATTN_IMPLEMENTATION):
                 hidden = self.model.base_model(
                     input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False,
@@ -867,7 +874,9 @@ class ModelRunner:
                 ).last_hidden_state  # [1, T, H]
             logits = self.compute_logits(hidden[0, batch.logits_indices])  # [S, V]
         self.last_logits = logits  # valid until the next step (compute_logits' buffer)
+        t2 = time.perf_counter()
         sampled = self._sample(batch, logits)  # [S] on the device
+        sample_s = time.perf_counter() - t2
         if batch.sample_req_ids:
             slots = torch.tensor([self.requests[r].req_index for r in batch.sample_req_ids], dtype=torch.long)
             self.last_sampled_tokens[slots.to(self.device)] = sampled
@@ -878,7 +887,7 @@ class ModelRunner:
             host.copy_(sampled, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        self.last_step_times = StepTimes(t1 - t0, time.perf_counter() - t1)
+        self.last_step_times = StepTimes(t1 - t0, time.perf_counter() - t1, timings.get("attention_s", 0.0), sample_s)
         return AsyncModelRunnerOutput(list(batch.sample_req_ids), host, event)
 
 

@@ -40,7 +40,7 @@ import threading
 import traceback
 import types
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -335,14 +335,11 @@ class MultiprocExecutor:
         results in rank order. Mirrors ``MultiprocExecutor.collective_rpc``."""
         return self._gather(self._broadcast(method, args, per_rank_args))
 
-    def execute_model(self, scheduler_output: SchedulerOutput, token_ids: Mapping[str, Sequence[int]] | None = None,
-                      non_block: bool = False) -> Any:
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Any:
         """One step on every rank; rank 0's output (every rank computed the same one). ``non_block``: return at
         once a future whose ``result()`` waits for the ranks' replies (two steps may be in flight). Mirrors
         ``MultiprocExecutor.execute_model``."""
-        if token_ids is not None:
-            token_ids = {rid: list(token_ids[rid]) for rid in scheduler_output.num_scheduled_tokens}
-        seq = self._broadcast("execute_model", (scheduler_output, token_ids))
+        seq = self._broadcast("execute_model", (scheduler_output,))
         if non_block:
             return _StepFuture(self, seq)
         return self._gather(seq)[0]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import io
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -118,12 +117,10 @@ class Worker:
         """One layer's key-cache shape on this rank."""
         return tuple(self.runner.kv_caches[0][0].shape)
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      token_ids: Mapping[str, Sequence[int]] | None = None) -> Any:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Any:
         """Run the step on this rank's shard. Rank 0 returns the runner's output (the executor's output rank,
         ``MultiprocExecutor._get_output_rank``; every rank computed the same); the others return None."""
-        out = self.runner.execute_model(scheduler_output) if token_ids is None else \
-            self.runner.execute_model(scheduler_output, token_ids)
+        out = self.runner.execute_model(scheduler_output)
         if hasattr(out, "get_output"):  # the samples of an asynchronous step: wait for them
             out = out.get_output()
         if self.rank != 0:

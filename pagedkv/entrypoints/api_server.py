@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import io
 import json
 import socket
 import sys
@@ -506,17 +507,52 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
         raise ValueError("--hf-overrides is supported with MODEL 'tiny' only")
     else:
         model, tokenizer = args.model, None
-    llm = LLM(model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
-              preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
-              enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # the engine's sizing lines: printed below where they are true
+        llm = LLM(model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                  gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
+                  preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
+                  enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device)
+    print(describe_kv_pool(llm, args, log.getvalue()), flush=True)
     if args.kv_reservation == "contiguous":
         reserve_contiguous(llm)
     names = args.served_model_name or [args.model]
     return AsyncLLM(llm, names[0]), names
+
+
+def describe_kv_pool(llm: Any, args: argparse.Namespace, log: str) -> str:
+    """The start-up lines about the KV pool, true on the device the engine runs on. On a CUDA GPU whose pool
+    was profiled: the engine's memory-profile lines (vLLM 0.26's own start-up log, ``Worker.
+    determine_available_memory`` in ``vllm/v1/worker/gpu_worker.py``), measured. Otherwise one line saying how
+    the pool was sized -- by a flag, or, on a CPU, from the lab's fixed memory budget (a CPU has no device memory
+    to profile) -- and, when no flag chose it, which flags do."""
+    n, block_size = llm.num_gpu_blocks, llm.block_size
+    size = f"{n:,} blocks of {block_size} tokens ({llm.runner.kv_cache_bytes() / 2**20:,.1f} MiB on {llm.device})"
+    profiled = args.num_gpu_blocks is None and args.kv_cache_memory_bytes is None
+    if args.num_gpu_blocks is not None:
+        how = "as --num-gpu-blocks sets"
+    elif args.kv_cache_memory_bytes is not None:
+        how = f"what --kv-cache-memory-bytes {args.kv_cache_memory_bytes:,} holds"
+    elif llm.device.type == "cuda":
+        return log.rstrip()
+    elif llm.memory_profile is not None:
+        prof = llm.memory_profile
+        how = (f"sized without a GPU: a CPU has no device memory to profile, so the lab takes a fixed budget of "
+               f"{prof.total_memory / 2**20:,.0f} MiB times --gpu-memory-utilization "
+               f"{prof.gpu_memory_utilization}, then subtracts the weights ({prof.weights_memory / 2**20:,.1f} "
+               f"MiB) and an activation estimate ({prof.peak_activation_memory / 2**20:,.1f} MiB)")
+    else:
+        how = "a fixed CPU budget (no memory profile for this model)"
+    from pagedkv.sizing import max_concurrency
+
+    lines = [f"KV pool: {size}, {how}. Maximum concurrency for {llm.max_model_len:,}-token requests: "
+             f"{max_concurrency(n, block_size, llm.max_model_len):.2f}x."]
+    if profiled:
+        lines.append("Choose its size with --num-gpu-blocks N or --kv-cache-memory-bytes BYTES.")
+    return "\n".join(lines)
 
 
 def reserve_contiguous(llm: Any) -> None:
@@ -572,7 +608,8 @@ def run_server(args: argparse.Namespace) -> int:
         if server.started:
             llm = engine.llm
             print(f"pagedkv serve: {names[0]} on http://{args.host}:{port}/v1  ({llm.num_gpu_blocks} blocks of "
-                  f"{llm.block_size} tokens, max_model_len {llm.max_model_len}, {args.kv_reservation} KV)", flush=True)
+                  f"{llm.block_size} tokens, max_model_len {llm.max_model_len}, {args.kv_reservation} KV, on "
+                  f"{llm.device})", flush=True)
             if args.port_file:
                 with open(args.port_file, "w", encoding="utf-8") as f:
                     f.write(f"{port}\n")

@@ -23,16 +23,16 @@ from pagedkv.sizing.parallel import kv_page_bytes_per_rank, unify_num_blocks
 __all__ = [
     "DENSE",
     "MLA",
-    "check_kv_heads_errors",
     "check_kv_heads_hidden",
     "check_kv_heads_published",
+    "check_kv_heads_refuses_bad_splits",
     "check_kv_heads_small",
     "check_page_dense",
     "check_page_hidden",
     "check_page_mla",
-    "check_pool_errors",
     "check_pool_examples",
     "check_pool_hidden",
+    "check_pool_refuses_bad_input",
     "expected_heads",
 ]
 
@@ -110,7 +110,7 @@ def check_kv_heads_small(kv_heads_of_rank: Any) -> None:
                 _check_heads(kv_heads_of_rank, h, tp, rank)
 
 
-def check_kv_heads_errors(kv_heads_of_rank: Any) -> None:
+def check_kv_heads_refuses_bad_splits(kv_heads_of_rank: Any) -> None:
     """Splits that do not divide, and ranks outside 0..tp-1, refused with ValueError (1 point)."""
     require_function(kv_heads_of_rank, "kv_heads_of_rank")
     _check_heads(kv_heads_of_rank, 8, 2, 1)
@@ -254,8 +254,8 @@ def check_pool_examples(pool_num_blocks: Any) -> None:
         _check_pool(pool_num_blocks, available, page, 80)
 
 
-def check_pool_errors(pool_num_blocks: Any) -> None:
-    """No ranks, a negative memory figure, or a page of 0 bytes: ValueError (1 point)."""
+def check_pool_refuses_bad_input(pool_num_blocks: Any) -> None:
+    """No ranks, a negative memory figure, a page of 0 bytes or 0 layers: refused with ValueError (1 point)."""
     require_function(pool_num_blocks, "pool_num_blocks")
     _check_pool(pool_num_blocks, [4096, 8192], 64, 2)
     for args, why in ((([], 64, 2), "no ranks at all"), (([4096, -1], 64, 2), "a rank with negative memory"),
