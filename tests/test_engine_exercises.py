@@ -43,8 +43,14 @@ def test_solution_passes_and_stub_fails_every_test() -> None:
 
 WRITE = ("    key_cache.view(-1, hkv, d)[meta.slot_mapping] = k\n"
          "    value_cache.view(-1, hkv, d)[meta.slot_mapping] = v\n")
-ATTEND = ("    out = ref_paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,\n"
-          "                                      meta.query_start_loc, scaling)\n")
+ATTEND = """    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for b, seq_len in enumerate(meta.seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi > lo:
+            k_b, v_b = gather_kv(key_cache, value_cache, meta.block_tables[b], seq_len)  # [seq_len, Hkv, D]
+            out[lo:hi] = attention(q[lo:hi], k_b, v_b, scale, causal_offset=seq_len - (hi - lo))
+"""
 # attention written by hand, one request at a time (HEADS: which KV head each query head reads)
 OWN_ATTENTION = """    hq, bs = q.shape[1], key_cache.shape[1]
     out = torch.empty_like(q)
@@ -80,7 +86,7 @@ WRONG = [
      "value_cache.view(-1, hkv, d)[meta.slot_mapping] = k", "holds the token's key, not its value"),
     ("reshape_not_transpose", "paged_attention", "k = key[0].transpose(0, 1)",
      "k = key[0].reshape(key.shape[2], key.shape[1], key.shape[3])", "not with reshape or view"),
-    ("no_scaling", "paged_attention", "meta.query_start_loc, scaling)", "meta.query_start_loc, 1.0)",
+    ("no_scaling", "paged_attention", "v_b, scale, causal", "v_b, 1.0, causal",
      "softmax scale 1"),
     ("gqa_heads_modulo", "paged_attention", ATTEND, OWN_ATTENTION.replace("HEADS", "torch.arange(hq) % hkv"),
      "h // (Hq // Hkv)"),

@@ -7,9 +7,6 @@ engine's copy of the arithmetic, another kernel's inner loop, the checks themsel
 stand-ins for ``expect_equal``). The fix is each time a line in the set's ``reference:`` list (in
 ``grading/source/NN_*.ipynb``), which hides the symbol in that exercise's sandbox. Where one answer cell tries
 several routes in turn (each route a fallback of the previous one), any route left open gives full marks.
-
-Answers that reach the answer through a route the reference lists cannot close are at the end, as strict
-``xfail`` tests (see their docstrings): they pass, and so fail as XPASS, once the grader closes them.
 """
 
 from __future__ import annotations
@@ -350,10 +347,42 @@ def test_set06_an_object_that_launches_like_a_kernel_scores_0(tmp_path):
     assert scores["paged_decode_v1_kernel"] == 0, scores
 
 
-# ------------------------------------------------------------------------------ open: not closable by references
-SET03_OPEN = {
-    # The eviction is the library's _maybe_evict_cached_block, which sandbox.NEVER_STUBBED keeps in every sandbox
-    # (set 02 gives it to the learner as evict_if_cached; set 04's scheduler needs it through evict_blocks).
+# --------------------------------------------------------------------------------------------------- set 07
+# paged_attention with the cache write written out and the attention taken from the library (ROUTE).
+SET07_ATTENTION = '''def paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    import pagedkv.attention
+    import pagedkv.engine.attention
+
+    meta = kwargs["pagedkv_metadata"]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    kc, vc = meta.kv_caches[module.layer_idx]
+    hkv, d = kc.shape[2], kc.shape[3]
+    kc.view(-1, hkv, d)[meta.slot_mapping] = k
+    vc.view(-1, hkv, d)[meta.slot_mapping] = v
+    out = ROUTE
+    return out.to(query.dtype)[None], None
+'''
+SET07_ROUTES = {
+    "torch_paged_attention": "pagedkv.engine.attention.torch_paged_attention(q, kc, vc, meta, scaling)",
+    "ref_paged_prefill_attention": "pagedkv.attention.ref_paged_prefill_attention(q, kc, vc, meta.block_tables, "
+                                   "meta.seq_lens, meta.query_start_loc, scaling)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", list(SET07_ROUTES))
+def test_set07_attention_reached_through_the_library_scores_0(tmp_path, route):
+    """Before the fix: paged_attention 4/4 through the engine's ``torch_paged_attention`` or lesson 6's
+    ``ref_paged_prefill_attention`` (the exercise told the learner to call the latter)."""
+    answer = SET07_ATTENTION.replace("ROUTE", SET07_ROUTES[route])
+    scores = grade_variant(tmp_path, "07_serving_engine", {"paged_attention": answer})
+    assert scores["paged_attention"] == 0, scores
+
+
+# --------------------------------------------------------------------------------------------------- set 03
+SET03_MORE = {
+    # The eviction is the library's _maybe_evict_cached_block, a private helper that the library's own
+    # get_new_blocks and evict_blocks call.
     "EvictingBlockPool": EVICTING_POOL.format(
         evict='for block in blocks:\n            getattr(self, "_maybe_evict" + "_cached_block")(block)'),
     # Only the choice of blocks is the learner's: it is planted on the manager (a mirrored object of the check's
@@ -379,16 +408,16 @@ SET03_OPEN = {
 def test_set03_copy_on_write_planted_on_the_checks_manager_scores_0(tmp_path):
     """copy_on_write planting ``manager._blocks_written`` (the check's manager, in the trusted process, would run the
     library's copy for it): the check drops methods planted on the manager and fails the call (5/5 before)."""
-    scores = grade_variant(tmp_path, "03_prefix_caching", {"copy_on_write": SET03_OPEN["copy_on_write"]})
+    scores = grade_variant(tmp_path, "03_prefix_caching", {"copy_on_write": SET03_MORE["copy_on_write"]})
     assert scores["copy_on_write"] == 0, scores
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open: needs a grader change (see the test's docstring)")
-def test_set03_eviction_through_the_never_stubbed_helper_scores_0(tmp_path):
-    """Still open (eviction_on_reuse 1/5): eviction through ``BlockPool._maybe_evict_cached_block``, which
-    ``sandbox.NEVER_STUBBED`` keeps in every sandbox. Hiding it in eviction_on_reuse's sandbox costs the solution 2/5
-    (a check composes the learner's pool with library code that evicts), so the fix needs the grader to hide it
-    from the learner's code only."""
-    scores = grade_variant(tmp_path, "03_prefix_caching", {"EvictingBlockPool": SET03_OPEN["EvictingBlockPool"]})
+def test_set03_eviction_through_the_librarys_private_helper_scores_0(tmp_path):
+    """Before the fix: eviction_on_reuse 1/5 with an eviction through ``BlockPool._maybe_evict_cached_block``,
+    which the grader kept in every sandbox because a check composes the learner's pool with the library's
+    ``get_new_blocks``, which calls it. Now the helper is hidden like the rest of the reference, and a case that
+    composes the learner's class with library methods gets, with them, the private helpers they call
+    (``worker.private_helpers``)."""
+    scores = grade_variant(tmp_path, "03_prefix_caching", {"EvictingBlockPool": SET03_MORE["EvictingBlockPool"]})
     assert scores["eviction_on_reuse"] == 0, scores

@@ -193,6 +193,15 @@ def _where(exc: BaseException) -> str:
     return f" (in {last.name}, line {last.lineno}: {code})" if code else f" (in {last.name}, line {last.lineno})"
 
 
+def _label(fn: Any, name: str | None, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> str:
+    """How a message shows the call: ``name`` as it is when it is a whole call already (a check's own text,
+    ``remove_skipped_blocks(manager, 'r', 5)``: shown once, not followed by the arguments again), else
+    ``name(arg, ...)``."""
+    if name is not None and "(" in name:
+        return name
+    return format_call(name or getattr(fn, "__name__", "function"), args, kwargs)
+
+
 def run(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -203,7 +212,7 @@ def run(
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` and return its result; a raise or a hang becomes a test failure that
     names the call."""
-    label = format_call(name or getattr(fn, "__name__", "function"), args, kwargs)
+    label = _label(fn, name, args, kwargs)
     try:
         with time_limit(timeout, label):
             return fn(*args, **(kwargs or {}))
@@ -272,7 +281,7 @@ def expect_equal(
     """Call ``fn`` and fail unless it returns ``expected`` (ints as ints, floats within ``rel``/``abs_tol``,
     lists item by item). ``hint`` is a string, or a function of the wrong result that returns one (or None).
     Returns what ``fn`` returned."""
-    label = format_call(name or getattr(fn, "__name__", "function"), args, kwargs)
+    label = _label(fn, name, args, kwargs)
     got = run(fn, args, kwargs, name=name, timeout=timeout)
     why = _mismatch(got, expected, rel, abs_tol)
     if why is None:
@@ -308,7 +317,7 @@ def expect_raises(
     timeout: float | None = DEFAULT_TIMEOUT,
 ) -> None:
     """Fail unless ``fn(*args)`` raises ``exc_type``; ``why`` says what was wrong with the input."""
-    label = format_call(name or getattr(fn, "__name__", "function"), args, kwargs)
+    label = _label(fn, name, args, kwargs)
     reason = f" ({why})" if why else ""
     try:
         with time_limit(timeout, label):

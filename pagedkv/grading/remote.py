@@ -267,6 +267,8 @@ class Client:
         self._tainted: dict[type, type] = {}
         self._handles: weakref.WeakValueDictionary[int, RemoteObject] = weakref.WeakValueDictionary()
         self._released: list[int] = []  # handles this side dropped: the sandbox may forget them
+        self._methods: dict[tuple[str, str], RemoteObject] = {}  # (mirror id, name) -> its bound method, this case
+        self._method_of: dict[int, Any] = {}  # the handle of such a bound method -> the object it is bound to
         self.codec = Codec("t", export=None, import_handle=self._import_handle, exported=None,
                            resolve=self._resolve, make_mirror=self._make_mirror)
 
@@ -345,6 +347,20 @@ class Client:
         name = str(meta.get("name") or "LearnerClass")
         name = name if name.isidentifier() else "LearnerClass"
         client = self
+        # The library's properties the learner's classes do not define (KVCacheManager.block_pool): read here,
+        # from the mirrored state, with no round trip; none that is the exercise's reference.
+        learner_names = meta.get("own_names")
+        properties: dict[str, property] = {}
+        if isinstance(learner_names, list):
+            seen: set[str] = set(map(str, learner_names))
+            for klass in base.__mro__:
+                for attr_name, member in vars(klass).items():
+                    if attr_name in seen:
+                        continue
+                    seen.add(attr_name)
+                    if isinstance(member, property) and member.fget is not None and \
+                            f"{klass.__module__}.{klass.__qualname__}.{attr_name}" not in self.references:
+                        properties[attr_name] = member
 
         def __getattribute__(obj: Any, attr: str) -> Any:  # noqa: N807 - an instance: its data here, methods there
             if attr in ("__dict__", "__class__") or attr.startswith("_pagedkv_"):
@@ -355,7 +371,18 @@ class Client:
             mid = client.codec._mirror_ids.get(id(obj))
             if mid is None:
                 raise AttributeError(attr)
-            return client.request("getattr", m=mid, name=attr)
+            prop = properties.get(attr)
+            if prop is not None:
+                return prop.fget(obj)
+            method = client._methods.get((mid, attr))
+            if method is not None:  # the bound method this case already got: no round trip per method call
+                return method
+            value = client.request("getattr", m=mid, name=attr)
+            if isinstance(value, RemoteObject) and object.__getattribute__(value, "_pagedkv_meta").get("type") == \
+                    "method":
+                client._methods[(mid, attr)] = value
+                client._method_of[object.__getattribute__(value, "_pagedkv_handle_id")] = obj
+            return value
 
         namespace = {"_pagedkv_handle": handle, "__module__": meta.get("module") or "__main__", "__qualname__": name,
                      "__getattribute__": __getattribute__}
@@ -389,6 +416,8 @@ class Client:
     def end_case(self) -> None:
         self.deadline = None
         self._handles.clear()
+        self._methods.clear()
+        self._method_of.clear()
         self._released.clear()
         if self.dead is None:
             with contextlib.suppress(BaseException):
@@ -450,7 +479,11 @@ class Client:
         # what the call can reach: its arguments, and the learner's objects mirrored here (their data may have
         # been changed by the test since the last call: `cache(mine, mine.blocks[i], h)`)
         roots = [v for k, v in fields.items() if k not in ("h", "name", "names", "kernel", "m")]
-        roots += [obj for obj in codec.mirrors.values() if isinstance(type(obj), RemoteClass)]
+        bound = self._method_of.get(fields["h"]) if op == "call" and "h" in fields else None
+        if bound is not None:  # a method of one of the learner's objects: that object and the arguments
+            roots.append(bound)
+        else:
+            roots += [obj for obj in codec.mirrors.values() if isinstance(type(obj), RemoteClass)]
         msg["mirrors"] = codec.mirror_states(roots)
         msg["storages"] = codec.storages()
         if self._released:

@@ -45,12 +45,6 @@ from pagedkv.grading.limits import Limits
 __all__ = ["INSTALL_HINT", "Cgroup", "Sandbox", "bwrap_problem", "close_all", "copy_library", "expand_classes",
            "isolation_summary", "lesson_checks", "stub_symbols", "with_private_twins"]
 
-#: Library helpers never stubbed, even when a set lists them: other library methods that are not the answer
-#: call them (``BlockPool.evict_blocks`` calls ``_maybe_evict_cached_block``), so a stub would break the
-#: checks on a correct answer. The part they implement is graded through the methods that are stubbed.
-NEVER_STUBBED = {"pagedkv.block_pool.BlockPool._maybe_evict_cached_block"}
-
-
 def expand_classes(symbols: Iterable[str]) -> list[str]:
     """``symbols`` with each class among them replaced by the functions its own body defines
     (``pagedkv.kv_cache_utils.FreeKVCacheBlockQueue`` -> ``...FreeKVCacheBlockQueue.popleft``, ...): a set's

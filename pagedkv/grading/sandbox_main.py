@@ -62,9 +62,10 @@ class Server:
 
             base = next((qualified_name(k) for k in obj.__mro__ if is_library_module(k.__module__)
                          and qualified_name(k) is not None), None)
+            own = sorted({str(n) for k in obj.__mro__ if not is_library_module(k.__module__) for n in vars(k)})
             return {"$h": hid, "type": type(obj).__name__, "callable": True, "is_class": True,
                     "module": module if isinstance(module, str) else None, "name": obj.__name__,
-                    "library_base": base}
+                    "library_base": base, "own_names": own}
         return {"$h": hid, "type": type(obj).__name__, "type_module": type(obj).__module__, "callable": callable(obj),
                 "module": module if isinstance(module, str) else None,
                 "is_class": isinstance(obj, type), "name": name if isinstance(name, str) else None}

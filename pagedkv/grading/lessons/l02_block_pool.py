@@ -13,7 +13,7 @@ import inspect
 import random
 
 from pagedkv import BlockPool, KVCacheBlock, KVCacheManager, Request
-from pagedkv.grading.checks import describe, expect_equal, expect_raises, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, expect_equal, expect_raises, fail, require_function, run
 from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue
 
 __all__ = [
@@ -340,7 +340,7 @@ def check_get_new_blocks_alone(get_new_blocks):
     if not isinstance(got, list) or [getattr(b, "block_id", None) for b in got] != [1, 2, 3]:
         fail(f"get_new_blocks(pool, 3) on a fresh pool of 8 returned {describe(got)}, expected blocks [1, 2, 3] "
              "(the head of the free queue, in order; block 0 is the null block and is never free)"
-             + (". Is get_new_blocks still the stub (...), or is a `return` missing?" if got is None else ""))
+             + (f". {STUB_NOTE}" if got is None else ""))
     if [b.ref_cnt for b in got] != [1, 1, 1]:
         fail(f"after get_new_blocks(pool, 3) the blocks' ref_cnt are {[b.ref_cnt for b in got]}, expected [1, 1, 1]")
     if queue(pool) != [4, 5, 6, 7]:
@@ -622,7 +622,7 @@ def _allocate_slots_grow(allocate_slots):
                      " check the free count before taking any block")
             return None
         if got is None:
-            hint = ". Is allocate_slots still the stub (...), or is a `return` missing?"
+            hint = f". {STUB_NOTE}"
             if table and need > len(free) >= missing:
                 hint = (f". Hint: the table already has {len(table)} block(s), so only {missing} are missing "
                         f"(not {need}), and {len(free)} are free")

@@ -14,7 +14,7 @@ import random
 import types
 
 from pagedkv import BlockPool, KVCacheManager, Request
-from pagedkv.grading.checks import CallTimeout, describe, fail, require_function, run, time_limit
+from pagedkv.grading.checks import STUB_NOTE, CallTimeout, describe, fail, require_function, run, time_limit
 from pagedkv.kv_cache_utils import NONE_HASH, builtin_hash, hash_request_tokens, sha256_hash, short_hash
 from pagedkv.shadow import ShadowKVCache
 
@@ -169,7 +169,7 @@ def _expect_chain(hash_chain, tokens, bs, fn=builtin_hash, extra=None, hint=True
         got = run(hash_chain, (tokens, bs, fn, extra), name="hash_chain")
         n_full = len(tokens) // bs
         if got is None:
-            fail(f"{label(tokens, bs, fn, extra)} returned None. Is it still the stub (...), or is a `return` missing?")
+            fail(f"{label(tokens, bs, fn, extra)} returned None. {STUB_NOTE}")
         if not isinstance(got, list) or not all(isinstance(h, int) for h in got):
             fail(f"{label(tokens, bs, fn, extra)} returned {describe(got)}, expected a list of int hashes")
         if len(got) != n_full:
@@ -179,7 +179,7 @@ def _expect_chain(hash_chain, tokens, bs, fn=builtin_hash, extra=None, hint=True
     want = hash_request_tokens(fn, bs, list(tokens), extra)
     got = run(hash_chain, (tokens, bs, fn, extra), name="hash_chain")
     if got is None:
-        fail(f"{label(tokens, bs, fn, extra)} returned None. Is it still the stub (...), or is a `return` missing?")
+        fail(f"{label(tokens, bs, fn, extra)} returned None. {STUB_NOTE}")
     if not isinstance(got, list):
         fail(f"{label(tokens, bs, fn, extra)} returned a {type(got).__name__}, expected a list of hashes")
     if got == want:
@@ -315,7 +315,7 @@ def _lookup(m, r, what):
     with forbid(KVCacheManager, "get_computed_blocks"):
         got = _attempt(m.get_computed_blocks, (r,), f"get_computed_blocks({what})")
     if got is None:
-        fail(f"get_computed_blocks({what}) returned None. Is it still the stub (...), or is a `return` missing?")
+        fail(f"get_computed_blocks({what}) returned None. {STUB_NOTE}")
     if not (isinstance(got, tuple) and len(got) == 2):
         fail(f"get_computed_blocks({what}) returned {describe(got)}, expected a tuple (blocks, "
              "num_computed_tokens)")

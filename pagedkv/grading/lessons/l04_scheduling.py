@@ -596,10 +596,16 @@ def _require(fn: Any, name: str) -> None:
 
 
 def grade_hook(name: str, fn: Any, scenarios: Sequence[Scenario], *, timeout: float = 30.0) -> None:
-    """A test case: ``fn`` as the hook ``name`` must reproduce the reference on every scenario."""
+    """A test case: ``fn`` as the hook ``name`` must reproduce the reference on every scenario. Under ``pagedkv
+    grade`` (``fn`` a handle: every call a round trip to the sandbox, on a machine that may be busy) the bound is
+    ``WALL_FACTOR`` times ``timeout``: the test case's CPU budget is what judges a slow answer there."""
     from pagedkv.grading.checks import CallTimeout, time_limit
+    from pagedkv.grading.limits import WALL_FACTOR
+    from pagedkv.grading.remote import is_remote
 
     _require(fn, name)
+    if is_remote(fn):
+        timeout *= WALL_FACTOR
     try:
         with time_limit(timeout, f"the {name} scenarios"):
             check_hook(name, fn, scenarios)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagedkv import sizing
-from pagedkv.grading.checks import describe, expect_raises, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, expect_raises, fail, require_function, run
 from pagedkv.grading.lessons.depends import Earlier, with_earlier_answers
 
 __all__ = [
@@ -140,7 +140,7 @@ def _expect_int(got: Any, expected: int, call: str, mistakes: list[tuple[int, st
         return
     message = f"{call} returned {describe(got)}, expected {expected}"
     if got is None:
-        fail(message + ". Is the function still the stub (...), or is a `return` missing?")
+        fail(f"{message}. {STUB_NOTE}")
     if not _is_int(got):
         if isinstance(got, float) and got == expected:
             fail(message + f" (a {type(got).__name__}: return an int; use // rather than /)")

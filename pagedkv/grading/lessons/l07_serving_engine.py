@@ -401,7 +401,7 @@ def _compare_attention(fn, seed: int, check_cache: bool = True) -> None:
             fail(f"{exc}. Hint: query has Hq = {hq} heads, keys and values Hkv = {hkv} (grouped-query "
                  f"attention): each KV head serves Hq // Hkv = {hq // hkv} consecutive query heads, so repeat the "
                  "keys and values along the head dimension with repeat_interleave before attending (lesson 6's "
-                 "ref_paged_prefill_attention does it for you)")
+                 "attention does it for you)")
         raise
     want, _ = paged_attention_forward(module, q, k, v, None, scaling=scale, pagedkv_metadata=ref)
     if result is None:

@@ -18,7 +18,7 @@ import math
 import random
 from typing import Any
 
-from pagedkv.grading.checks import describe, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, fail, require_function, run
 
 __all__ = [
     "check_metrics_examples",
@@ -91,7 +91,7 @@ def _expect_stop(fn: Any, args: tuple) -> None:
     call = "check_stop_strings(" + ", ".join(describe(a) for a in args) + ")"
     message = f"{call} returned {describe(got)}, expected {describe(want)}"
     if got is None and want is not None:
-        message += ". Is the function still the stub (...), or is a `return` missing?"
+        message += f". {STUB_NOTE}"
     hints = [why for value, why in _stop_mistakes(*args) if value == got and value != want]
     if want is not None and got is not None and isinstance(got, tuple) and len(got) == 2 and got[0] == want[0]:
         if want[1] == -1:
@@ -169,7 +169,7 @@ def _expect_hashes(fn: Any, args: tuple) -> list[bytes]:
         return got
     call = f"salted_block_hashes({describe(tokens, 60)}, {bs}, {salt!r})"
     if got is None:
-        fail(f"{call} returned None. Is the function still the stub (...), or is a `return` missing?")
+        fail(f"{call} returned None. {STUB_NOTE}")
     if not isinstance(got, list):
         fail(f"{call} returned {describe(got)}: return a list with one hash per full block")
     if len(got) != len(want):
@@ -255,7 +255,7 @@ def _expect_metrics(fn: Any, args: tuple) -> None:
     want = expected_metrics(*args)
     call = f"request_metrics({start!r}, {describe(times, 60)}, {describe(tokens, 40)}, {end!r})"
     if got is None:
-        fail(f"{call} returned None. Is the function still the stub (...), or is a `return` missing?")
+        fail(f"{call} returned None. {STUB_NOTE}")
     if not isinstance(got, dict) or any(k not in got for k in KEYS):
         fail(f"{call} returned {describe(got)}: return a dict with the keys {list(KEYS)}")
     for key in KEYS:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv.distributed.layers import kv_head_shard
-from pagedkv.grading.checks import describe, expect_raises, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, expect_raises, fail, require_function, run
 from pagedkv.sizing.parallel import kv_page_bytes_per_rank, unify_num_blocks
 
 __all__ = [
@@ -86,7 +86,7 @@ def _check_heads(fn: Callable, h: int, tp: int, rank: int) -> None:
         return
     message = f"{call} returned {describe(got)}, expected {want}"
     if got is None:
-        fail(message + ". Is the function still the stub (...), or is a `return` missing?")
+        fail(f"{message}. {STUB_NOTE}")
     if not isinstance(got, (list, tuple)) or not all(_is_int(x) for x in got):
         fail(message + " (return a list of ints: the head indices, in increasing order)")
     hints = [why for wrong, why in _heads_mistakes(h, tp, rank) if list(got) == wrong and wrong != want]
@@ -172,7 +172,7 @@ def _check_page(fn: Callable, config: dict[str, Any], tp: int, block_size: int, 
         return
     message = f"{call} returned {describe(got)}, expected {want}"
     if got is None:
-        fail(message + ". Is the function still the stub (...), or is a `return` missing?")
+        fail(f"{message}. {STUB_NOTE}")
     hints = [why for wrong, why in _page_mistakes(config, tp, block_size, nbytes) if got == wrong]
     if not _is_int(got) and not hints:
         fail(message + f" (expected an int, got {type(got).__name__})")
@@ -230,7 +230,7 @@ def _check_pool(fn: Callable, available: list[int], page: int, layers: int) -> N
         return
     message = f"{call} returned {describe(got)}, expected {want} (the ranks hold {per_rank})"
     if got is None:
-        fail(message + ". Is the function still the stub (...), or is a `return` missing?")
+        fail(f"{message}. {STUB_NOTE}")
     mistakes = [
         (max(per_rank), "that is the LARGEST rank's count: a block id must exist on every rank, so the pool is the "
                         "smallest"),
