@@ -73,6 +73,8 @@ def test_kv_heads_hard_coded_for_the_examples_fails():
     ("return block_size * (config[\"kv_lora_rank\"] + config.get(\"qk_rope_head_dim\", 0)) * dtype_bytes",
      "return 2 * block_size * (config[\"kv_lora_rank\"] + config.get(\"qk_rope_head_dim\", 0)) * dtype_bytes",
      "ONE latent"),
+    ("config.get(\"head_dim\") or config[\"hidden_size\"] // heads", "config[\"hidden_size\"] // heads",
+     "this config has head_dim="),
 ])
 def test_page_mistakes_are_named(old, new, hint):
     first = _first_failure("kv_page_bytes_per_rank", _variant("kv_page_bytes_per_rank", old, new))

@@ -149,7 +149,11 @@ def _page_mistakes(config: dict[str, Any], tp: int, block_size: int, nbytes: int
         ] if v != right]  # fmt: skip
     h, heads = config["num_key_value_heads"], config["num_attention_heads"]
     d = config.get("head_dim") or config["hidden_size"] // heads
+    d_guess = config["hidden_size"] // heads  # what a config without head_dim implies
     return [(v, m) for v, m in [
+        *([(2 * block_size * max(1, h // tp) * d_guess * nbytes,
+            f"this config has head_dim={d}: use it; hidden_size // num_attention_heads ({d_guess}) is only the "
+            "fallback for a config without one")] if d != d_guess else []),
         (2 * block_size * (h // tp) * d * nbytes, f"{h} // {tp} is 0: a rank always holds at least one KV head"),
         (2 * block_size * h / tp * d * nbytes, "a rank holds whole heads: max(1, num_kv_heads // tp), an int"),
         (2 * block_size * h * d * nbytes, "that is the one-GPU page: each rank holds only its share of the KV heads"),
