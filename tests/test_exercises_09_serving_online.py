@@ -28,7 +28,8 @@ def test_the_solutions_pass_every_case() -> None:
     ("salted_block_hashes", "if i == 0 and cache_salt is not None", "if cache_salt is not None",
      "first block's only"),
     ("salted_block_hashes", "parent = hashes[-1] if hashes else None", "parent = None", "without its parent"),
-    ("request_metrics", "latency = end - start", "latency = chunk_times[-1] - start", "end of the stream"),
+    ("request_metrics", "latency = chunk_times[-1] - start", "latency = chunk_times[-1] - chunk_times[0]",
+     "when the request was sent"),
     ("request_metrics", "/ (output_len - 1) if output_len > 1 else None", "/ output_len if output_len > 1 else None",
      "output_len - 1"),
 ])

@@ -575,7 +575,7 @@ def plot(result: dict[str, Any], path: str | None = None):
     ax.set_xlim(0, max(vals) * 1.2)
     ax.invert_yaxis()
     c = result["config"]
-    ax.set_title(f"{c['num_prompts']} prompts, {c['max_new_tokens']} new tokens, same KV budget "
+    ax.set_title(f"{c['num_prompts']} prompts, {c['max_new_tokens']} new tokens, same KV budget\n"
                  f"({c['gpu'] or c['device']}; Llama, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
                  f"vocabulary {c['vocab_size']:,})", fontsize=8)
     fig.tight_layout()

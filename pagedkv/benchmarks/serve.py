@@ -87,7 +87,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 @dataclass
 class RequestResult:
     """One request as the client saw it: when it was sent, when each chunk with tokens came, how many tokens
-    each carried, when the stream ended; and :func:`request_metrics` of those."""
+    each carried; and :func:`request_metrics` of those."""
 
     prompt_len: int
     output_len: int = 0
@@ -100,18 +100,20 @@ class RequestResult:
     start: float = 0.0
 
 
-def request_metrics(start: float, chunk_times: Sequence[float], chunk_tokens: Sequence[int], end: float
-                    ) -> dict[str, Any]:
+def request_metrics(start: float, chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> dict[str, Any]:
     """One streamed request's latencies as ``vllm bench serve`` defines them (seconds): ``ttft``, the first
-    chunk's arrival after ``start``; ``itl``, the gaps between consecutive chunks; ``latency``, ``end - start``
-    (the stream's end); ``tpot``, ``(latency - ttft) / (output_len - 1)`` with ``output_len`` the tokens of all
-    chunks, ``None`` for a single token. Mirrors ``calculate_metrics`` (``vllm/benchmarks/serve.py``) and the
-    stream timing of ``vllm/benchmarks/lib/endpoint_request_func.py``."""
+    chunk's arrival after ``start``; ``itl``, the gaps between consecutive chunks; ``latency``, the last chunk's
+    arrival after ``start`` (``output.latency = most_recent_timestamp - st`` in
+    ``vllm/benchmarks/lib/endpoint_request_func.py``: the timestamp moves only on chunks with ``choices``, so
+    neither the usage chunk nor ``data: [DONE]`` counts); ``tpot``, ``(latency - ttft) / (output_len - 1)`` with
+    ``output_len`` the tokens of all chunks, ``None`` for a single token (``calculate_metrics`` in
+    ``vllm/benchmarks/serve.py``). vLLM reads ``output_len`` from the usage chunk's ``completion_tokens``; the
+    lab counts the tokens the chunks carried, the same number for a stream that ran to its end."""
     if not chunk_times or len(chunk_times) != len(chunk_tokens):
         raise ValueError("give one arrival time and one token count per chunk, at least one chunk")
     output_len = sum(chunk_tokens)
     ttft = chunk_times[0] - start
-    latency = end - start
+    latency = chunk_times[-1] - start
     itl = [chunk_times[i] - chunk_times[i - 1] for i in range(1, len(chunk_times))]
     tpot = (latency - ttft) / (output_len - 1) if output_len > 1 else None
     return {"ttft": ttft, "itl": itl, "latency": latency, "tpot": tpot, "output_len": output_len}
@@ -145,12 +147,11 @@ async def send_request(client: Any, url: str, model: str, req: SampleRequest, t0
                 if n:
                     times.append(time.perf_counter())
                     tokens.append(n)
-        end = time.perf_counter()
     except Exception as exc:  # a refused connection, a reset: counted as failed, the run goes on
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     if times:
-        m = request_metrics(start, times, tokens, end)
+        m = request_metrics(start, times, tokens)
         res.ttft, res.itl, res.latency, res.tpot, res.output_len = (m["ttft"], m["itl"], m["latency"], m["tpot"],
                                                                     m["output_len"])
         res.ok = True
