@@ -663,11 +663,15 @@ def test_slow_but_correct_function_fails_alone_saying_how_slow(graded):
     nb = _variant(graded, "slow")
     ex = _exercise(nb, "waste_percent")
     assert ex["score"] < ex["possible"]  # the public case's 11 calls fit the budget; the hidden case's do not
-    m = re.search(r"too slow: this test case's calls of your code used ([\d.]+) s of CPU time \(and waited [\d.]+ s in "
-                  r"all\), past the limit of 10 s of CPU time for one test case \((\d+) calls? of your functions, "
-                  r"([\d.]+) (m?s) per call on average, the slowest ([\d.]+) s\)", ex["message"])
+    # Which limit fires first depends on how busy the machine is (the CPU budget, or on a machine far too busy the
+    # wall-clock bound of 5x it); the verdict and a message that names the limit that fired do not.
+    m = re.search(r"too slow: this test case's calls of your code used ([\d.]+) s of CPU time \(and waited ([\d.]+) s "
+                  r"in all\), past the limit of (?:10 s of CPU time|50 s of waiting) for one test case(?: \(the limit "
+                  r"of 10 s of CPU time not reached yet\))? \((\d+) calls? of your functions, ([\d.]+) (m?s) per call "
+                  r"on average, the slowest ([\d.]+) s\)", ex["message"])
     assert m, ex["message"]
-    assert float(m.group(1)) >= 10 and int(m.group(2)) >= 1 and float(m.group(5)) >= 0.2
+    assert float(m.group(1)) >= 10 or float(m.group(2)) >= 50, ex["message"]
+    assert int(m.group(3)) >= 1 and float(m.group(6)) >= 0.2
     assert all("too slow" not in e["message"] for e in nb["exercises"] if e["name"] != "waste_percent")
 
 

@@ -430,9 +430,15 @@ class Client:
         def secs(x: float) -> str:
             return f"{x:.2f} s" if x >= 0.01 else f"{x * 1000:.2f} ms"
 
-        return (f"too slow: this test case's calls of your code used {self.cpu_spent():.1f} s of CPU time (and "
-                f"waited {self.call_seconds:.1f} s in all), past the limit of {self.budget:g} s of CPU time for one "
-                f"test case ({self.calls} call{'s' if self.calls != 1 else ''} of your "
+        cpu = self.cpu_spent()
+        if cpu >= self.budget:
+            limit = f"past the limit of {self.budget:g} s of CPU time for one test case"
+        else:  # the wall-clock bound fired first: code that sleeps or waits (or a machine far too busy)
+            limit = (f"past the limit of {WALL_FACTOR * self.budget:g} s of waiting for one test case (the limit of "
+                     f"{self.budget:g} s of CPU time not reached yet)")
+        return (f"too slow: this test case's calls of your code used {cpu:.1f} s of CPU time (and "
+                f"waited {self.call_seconds:.1f} s in all), {limit} ({self.calls} "
+                f"call{'s' if self.calls != 1 else ''} of your "
                 f"functions, {secs(avg)} per call on average, the slowest {secs(self.slowest)}); a call is correct "
                 "only if it is also fast enough: look for repeated work (a loop over all blocks inside a loop, a "
                 "sleep)")
