@@ -128,6 +128,19 @@ def test_grouping_in_chunks_is_named() -> None:
     assert passed < total and "pad" in first
 
 
+@pytest.mark.parametrize(("new", "named"), [("1.25", "close"), ("1.5 or True", "strict")])
+def test_a_wrong_padding_threshold_fails_a_public_case(new: str, named: str) -> None:
+    """1.25 instead of vLLM's 1.5, or <= instead of <: the public round-robin cases hold a 4 + 5 and a 6 + 4 model."""
+    old = "if max(sizes) < group_size * 1.5:"
+    answer = NB.solutions["group_layers"].replace(old, "if max(sizes) <= group_size * 1.5:" if "True" in new
+                                                   else f"if max(sizes) < group_size * {new}:")
+    assert answer != NB.solutions["group_layers"]
+    results = [r for r in NB.grade({"group_layers": answer}, only={"group_layers"}, public_only=True)
+               if r[0] == "group_layers"]
+    assert not all(ok for _, _, ok, _ in results)
+    assert any(named in msg for _, _, ok, msg in results if not ok), results
+
+
 def test_one_group_per_layer_of_a_one_type_model_gets_the_one_type_hint() -> None:
     """All-full layers: the hint says one type is one group, not that two types' counts are close."""
     wrong = "def group_layers(layer_types):\n    return [[i] for i in range(len(layer_types))]\n"

@@ -309,9 +309,13 @@ def _group_hint(layer_types) -> Callable[[Any], str | None]:
         if got == chunks:
             return ("those are consecutive chunks: vLLM deals a type's layers round-robin, layers[i::num_groups], "
                     "so that a pipeline stage's share of each group stays even")  # fmt: skip
+        big = max(len(v) for v in same.values())
+        if big == g * 1.5 and got == list(same.values()):
+            return (f"{big} layers are exactly 1.5 x {g}: vLLM's test is strict, max_num_layers < min_num_layers * "
+                    "1.5 (kv_cache_utils.py, _get_kv_cache_groups_uniform_page_size), so the group size stays the "
+                    "smallest count")
         if got == list(same.values()):
             return "one group per type is too coarse: every group must hold about group_size layers"
-        big = max(len(v) for v in same.values())
         if big < g * 1.5:
             return (f"the types' layer counts are close ({g} and {big}): vLLM then uses the largest as the group "
                     "size, padding the smaller type, instead of cutting the larger in two")
@@ -339,6 +343,8 @@ def check_group_layers_round_robin(group_layers):
         ["sliding_attention"] * 4 + ["full_attention"] * 2,
         ["full_attention"] * 2 + ["sliding_attention"] * 5,
         ["sliding_attention"] * 12 + ["full_attention"] * 13,
+        ["full_attention"] * 4 + ["sliding_attention"] * 5,  # 5 < 4 x 1.5: the largest count is the group size
+        ["sliding_attention"] * 6 + ["full_attention"] * 4,  # 6 = 4 x 1.5, not below it: the smallest is
     ):
         expect_equal(group_layers, (layer_types,), reference_group_layers(layer_types),
                      hint=_group_hint(layer_types), timeout=2)  # fmt: skip
