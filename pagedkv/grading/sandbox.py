@@ -270,10 +270,12 @@ def bwrap_command(site: Path, notebook: Path | None, limits: Limits, info_fd: in
     args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--as-pid-1", "--cap-drop", "ALL",
             "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID), "--hostname", "sandbox",
-            "--info-fd", str(info_fd), *_system_mounts(),
-            "--proc", "/proc", "--dev", "/dev"]
+            "--info-fd", str(info_fd), "--proc", "/proc", "--dev", "/dev"]
     for tmp in ("/tmp", "/var/tmp", "/dev/shm", _HOME):
         args += ["--size", size, "--tmpfs", tmp]
+    # The Python environment after the private tmpfs: a checkout or virtual environment under /tmp (a clone in
+    # a temporary folder) is bound on top of the sandbox's own /tmp instead of hidden by it.
+    args += _system_mounts()
     args += ["--ro-bind", str(site), _SITE]
     if notebook is not None:
         args += ["--ro-bind", str(notebook), f"{_HOME}/{notebook.name}"]
