@@ -451,7 +451,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         if self.coordinator is not None:
-            if request.request_id in self._held_requests():
+            if any(request.request_id in m.req_to_blocks for m in self.coordinator.single_type_managers):
                 self._cache_group_blocks(request, min(num_computed_tokens, request.num_tokens))
         elif request.request_id in self.req_to_blocks:
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
@@ -696,11 +696,6 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_group_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return self._pack(tuple(c + f for c, f in zip(fresh_cow, fresh, strict=True)))
-
-    def _held_requests(self) -> set[str]:
-        """The requests that hold blocks in some group (several-group form)."""
-        assert self.coordinator is not None
-        return {rid for m in self.coordinator.single_type_managers for rid in m.req_to_blocks}
 
     def _cache_group_blocks(self, request: Request, num_known: int) -> None:
         """Every group enters the request's blocks full of its first ``num_known`` tokens in the prefix cache
