@@ -299,31 +299,50 @@ def paged_attention_forward(
                                       **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"the pagedkv attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
-    if isinstance(meta, Mapping):  # several KV cache groups: this layer's group's metadata
-        meta = meta[module.layer_idx]
-    t0 = time.perf_counter()
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    key_cache, value_cache = meta.kv_caches[module.layer_idx]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     # the layer's window, as transformers passes it (Mistral, Qwen2/3, Gemma 3, OLMo 3: None on full layers)
-    window = kwargs.get("sliding_window")
-    if meta.sliding_window is not None and window != meta.sliding_window:
+    out = paged_attention(q, k, v, module.layer_idx, meta, scale, kwargs.get("sliding_window"))
+    return out[None], None  # [1, T, Hq, D]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    layer_idx: int,
+    meta: AttentionMetadata | Mapping[int, AttentionMetadata],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One layer's attention over the paged cache, on the step's flattened tokens: writes the new K/V into layer
+    ``layer_idx``'s cache at ``slot_mapping``, then attends; returns ``[T, Hq, D]``. ``meta`` is one
+    :class:`AttentionMetadata`, or with several KV cache groups a dict from layer index to its group's (vLLM's
+    ``attn_metadata[layer_name]``); ``sliding_window`` is the layer's own, and must be its group's when that group
+    releases blocks. What both model paths call: transformers' modules through :func:`paged_attention_forward`,
+    the lab's Llama decoder (:mod:`pagedkv.engine.llama`) directly. Mirrors ``FlashAttentionImpl.forward``
+    (``do_kv_cache_update`` then the attention)."""
+    if isinstance(meta, Mapping):  # several KV cache groups: this layer's group's metadata
+        meta = meta[layer_idx]
+    t0 = time.perf_counter()
+    key_cache, value_cache = meta.kv_caches[layer_idx]
+    if meta.sliding_window is not None and sliding_window != meta.sliding_window:
         # the group released the blocks behind its window: a layer that reads further back would read null blocks
-        raise ValueError(f"layer {module.layer_idx}: transformers attends with sliding_window={window}, but its KV "
+        raise ValueError(f"layer {layer_idx}: attends with sliding_window={sliding_window}, but its KV "
                          f"cache group keeps only a {meta.sliding_window}-token window")
     if meta.backend == "triton":
         from pagedkv.kernels import reshape_and_cache
 
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
-        out = triton_paged_attention(q, key_cache, value_cache, meta, scale, window)
+        reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, validate=False)
+        out = triton_paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
     else:
-        write_kv_torch(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch_paged_attention(q, key_cache, value_cache, meta, scale, window)
+        write_kv_torch(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch_paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
     if meta.timings is not None:
         meta.timings["attention_s"] = meta.timings.get("attention_s", 0.0) + time.perf_counter() - t0
-    return out[None], None  # [1, T, Hq, D]
+    return out
 
 
 def register_pagedkv_attention() -> None:
