@@ -846,10 +846,40 @@ def test_time_limit_restores_the_previous_handler():
     import signal
 
     before = signal.getsignal(signal.SIGALRM)
+    timer = signal.getitimer(signal.ITIMER_REAL)  # pytest-timeout's, where it runs: left running, not cancelled
     with checks.time_limit(1.0):
         pass
     assert signal.getsignal(signal.SIGALRM) == before
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    after = signal.getitimer(signal.ITIMER_REAL)
+    assert (after[0] > 0) == (timer[0] > 0) and after[0] <= timer[0] and after[1] == timer[1]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the per-call time limit uses SIGALRM")
+def test_time_limit_counts_cpu_seconds_under_grading(monkeypatch):
+    """Under ``pagedkv grade`` a check's ``timeout=2`` counts CPU seconds (the worker's clock), so a busy machine
+    fails no correct call; code that sleeps is stopped at WALL_FACTOR times the limit. Driven by a stand-in
+    clock: no assertion here depends on how fast the machine is."""
+    import signal
+
+    cpu = [0.0]
+    timer = signal.getitimer(signal.ITIMER_REAL)
+    monkeypatch.setattr(checks, "cpu_clock", lambda: cpu[0])
+    with checks.time_limit(100.0):  # no CPU used: waiting (here, sleeping) is not what the limit counts
+        time.sleep(0.35)
+    with pytest.raises(checks.CallTimeout, match="did not finish within 100 s"):
+        with checks.time_limit(100.0, "f(1)"):
+            for _ in range(2000):  # the clock passes the limit: interrupted at the next look, 0.1 s later
+                cpu[0] += 1.0
+                time.sleep(0.01)
+    cpu[0] = 0.0
+    with pytest.raises(checks.CallTimeout):  # an inner limit leaves the outer one running
+        with checks.time_limit(100.0):
+            with checks.time_limit(50.0):
+                pass
+            for _ in range(2000):
+                cpu[0] += 1.0
+                time.sleep(0.01)
+    assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (timer[0] > 0)
 
 
 # --------------------------------------------------------------------------------------------- grader internals

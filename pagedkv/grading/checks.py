@@ -8,7 +8,8 @@ the call that failed, what came back, what was expected, and a hint when the mis
 A learner's function that raises, hangs or returns the wrong type never breaks the test itself: each ends
 as an ``AssertionError`` (which otter reports as that test case failing, with this message), so the check
 cell in the notebook and ``pagedkv grade`` show the same text. A call that runs longer than ``timeout``
-seconds is interrupted (SIGALRM, in the kernel's main thread) and reported as a probable infinite loop.
+seconds is interrupted (SIGALRM, in the kernel's main thread) and reported as a probable infinite loop; under
+``pagedkv grade`` those are CPU seconds (:data:`cpu_clock`), so that a loaded machine fails no correct call.
 
 Nothing here imports the learner's code or the reference answers; tests pass the learner's function in.
 """
@@ -23,6 +24,7 @@ import re
 import signal
 import sysconfig
 import threading
+import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -129,10 +131,20 @@ def require_function(fn: Any, name: str) -> None:
         )
 
 
+#: The clock a time limit counts, set by the grading worker (:mod:`pagedkv.grading.worker`): CPU seconds of the
+#: worker and of the sandbox running the learner's code, so that a busy machine never turns a correct call into
+#: "did not return" (code that sleeps is stopped at :data:`~pagedkv.grading.limits.WALL_FACTOR` times the
+#: limit in wall-clock seconds). None, as in a notebook's check cell: the limit counts wall-clock seconds.
+cpu_clock: Callable[[], float] | None = None
+_POLL = 0.1  # seconds between two looks at the CPU clock
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
     """Interrupt the block with :class:`CallTimeout` after ``seconds`` (main thread on POSIX only; elsewhere
-    the block simply runs unbounded and the grader's per-notebook timeout is the backstop)."""
+    the block simply runs unbounded and the grader's per-notebook timeout is the backstop): CPU seconds under
+    grading (:data:`cpu_clock`), wall-clock seconds otherwise. A limit inside another one leaves the outer one
+    running."""
     usable = (
         seconds is not None
         and hasattr(signal, "setitimer")
@@ -141,17 +153,36 @@ def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
     if not usable:
         yield
         return
+    from pagedkv.grading.limits import WALL_FACTOR
+
+    clock = cpu_clock
+    wall_start = time.monotonic()
+    cpu_start = clock() if clock is not None else 0.0
+    fired: list[bool] = []
 
     def on_alarm(signum: int, frame: Any) -> None:
+        if fired:
+            return
+        if clock is not None and clock() - cpu_start < seconds and \
+                time.monotonic() - wall_start < WALL_FACTOR * seconds:
+            return  # still within the limit: the timer looks again in _POLL seconds
+        fired.append(True)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         raise CallTimeout(f"{what} did not finish within {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, float(seconds))
+    if clock is None:
+        outer = signal.setitimer(signal.ITIMER_REAL, float(seconds))
+    else:
+        outer = signal.setitimer(signal.ITIMER_REAL, min(float(seconds), _POLL), _POLL)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer[0] > 0:  # an enclosing limit's timer: running again, less the time spent here
+            left = outer[0] - (time.monotonic() - wall_start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer[1])
 
 
 _INSTALLED = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})

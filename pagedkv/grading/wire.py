@@ -32,6 +32,7 @@ import base64
 import collections
 import collections.abc
 import enum
+import functools
 import importlib
 import itertools
 import json
@@ -68,6 +69,7 @@ _SCALARS = {int, float, str, bytes, bool, type(None)}
 _SEQUENCES = {list, tuple, collections.deque}
 _MAPPINGS = {dict, collections.OrderedDict, collections.defaultdict}
 _DEEP = _SEQUENCES | _MAPPINGS | {set, frozenset}
+_FLAT_CONTAINERS = _SEQUENCES | {set, frozenset}
 _GETTERS: dict[type, Any] = {}
 
 
@@ -78,6 +80,21 @@ def _getter(cls: type, slots: tuple[str, ...]) -> Any:
 
         g = _GETTERS[cls] = operator.attrgetter(*slots)
     return g
+
+
+_FLAT: set[type] = set(_SCALARS)  # value types whose fingerprint is their identity alone (no contents, no version)
+
+
+def _watched(kinds: set[type]) -> bool:
+    """Whether any of ``kinds`` needs more than its identity in a fingerprint (a container, a tensor); the others
+    join :data:`_FLAT`, so that the next fingerprint skips them with one set difference."""
+    found = False
+    for kind in kinds:
+        if kind in _DEEP or kind.__module__ == "torch":
+            found = True
+        elif "_pagedkv_handle" not in vars(kind):  # not a stand-in for a learner's class (kept only while used)
+            _FLAT.add(kind)
+    return found
 
 
 class _Identity:
@@ -175,14 +192,21 @@ def is_library_module(module: Any) -> bool:
     return not module.startswith("pagedkv.grading") or module.startswith("pagedkv.grading.lessons")
 
 
+_BUILTIN_BASES: dict[type, type | None] = {}
+
+
 def _builtin_base(cls: type) -> type | None:
-    """deque, list, dict or set when ``cls`` (a library class) is built on one (``FCFSRequestQueue(deque)``)."""
-    if cls in (collections.deque, list, dict, set):
-        return None
-    for klass in (collections.deque, list, dict, set):
-        if issubclass(cls, klass):
-            return klass
-    return None
+    """deque, list, dict or set when ``cls`` (a library class) is built on one (``FCFSRequestQueue(deque)``);
+    found once per class (the fingerprints ask for every mirrored object of every message)."""
+    try:
+        return _BUILTIN_BASES[cls]
+    except KeyError:
+        pass
+    found = None
+    if cls not in (collections.deque, list, dict, set):
+        found = next((k for k in (collections.deque, list, dict, set) if issubclass(cls, k)), None)
+    _BUILTIN_BASES[cls] = found
+    return found
 
 
 def _new(cls: type) -> Any:
@@ -272,6 +296,8 @@ class Codec:
         return mid
 
     _SLOTS: dict[type, tuple[str, ...]] = {}
+    #: per class: whether its instances have a ``__dict__``, its slots, a getter of them, its built-in base
+    _LAYOUTS: dict[type, tuple[bool, tuple[str, ...], Any, type | None]] = {}
 
     @classmethod
     def _slot_names(cls, klass: type) -> tuple[str, ...]:
@@ -302,71 +328,103 @@ class Codec:
 
     @classmethod
     def _fp(cls, v: Any, depth: int = 0) -> Any:
-        """A cheap fingerprint of a value: equal fingerprints mean nothing to send. Objects count by identity
-        (a mirrored object's own state is fingerprinted separately), containers by a shallow copy (deeper only
-        when they hold containers), tensors by storage and version."""
+        """A cheap fingerprint of a container's contents (equal fingerprints mean nothing to send): a shallow
+        copy, deeper only when it holds containers. Objects inside count as themselves (a mirrored object's own
+        state is fingerprinted separately), tensors by storage and version."""
         t = type(v)
         if t in _SCALARS:
             return v
         if t in _SEQUENCES:
-            if depth < 6 and any(type(x) in _DEEP for x in v):
-                return (t, tuple(cls._fp(x, depth + 1) for x in v))
-            return (t, tuple(v))
+            if depth < 6 and not _DEEP.isdisjoint(map(type, v)):
+                return (t, tuple(map(functools.partial(cls._fp, depth=depth + 1), v)))
+            items = tuple(v)
+            return (t, tuple(map(id, items)), items)  # the items held: no id reused while it is compared
         if t in _MAPPINGS:
-            items = tuple(v.items())
-            if depth < 6 and any(type(k) in _DEEP or type(x) in _DEEP for k, x in items):
-                return (t, tuple((cls._fp(k, depth + 1), cls._fp(x, depth + 1)) for k, x in items))
-            return (t, items)
+            pairs = tuple(v.items())  # held, as above
+            flat_keys, flat_values = _DEEP.isdisjoint(map(type, v)), _DEEP.isdisjoint(map(type, v.values()))
+            if depth < 6 and not (flat_keys and flat_values):  # a dict of dicts (BlockPool's hash -> blocks)
+                deeper = functools.partial(cls._fp, depth=depth + 1)
+                return (t, tuple(map(id if flat_keys else deeper, v)), tuple(map(deeper, v.values())), pairs)
+            return (t, tuple(map(id, v)), tuple(map(id, v.values())), pairs)
         if t in (set, frozenset):
-            return (t, frozenset(v))
+            items = tuple(v)
+            return (t, frozenset(map(id, items)), items)
         if t.__module__ == "torch":
             return ("tensor", id(v), getattr(v, "_version", None))
         if t is itertools.count:
             return ("count", repr(v))
         return _Identity(v)
 
-    def _fingerprint(self, obj: Any) -> Any:
-        d = getattr(obj, "__dict__", None)
-        values: tuple = ()
+    def _values(self, obj: Any) -> tuple[tuple, list]:
+        """A mirrored object's attribute names (of its ``__dict__``) and the values of its state: ``__dict__``,
+        slots and, for a library class built on a container, its items (as one list, last)."""
+        cls = type(obj)
+        layout = self._LAYOUTS.get(cls)
+        if layout is None:
+            slots = self._slot_names(cls)
+            layout = self._LAYOUTS[cls] = (bool(getattr(cls, "__dictoffset__", 1)), slots,
+                                           _getter(cls, slots) if slots else None, _builtin_base(cls))
+        has_dict, slots, getter, builtin = layout
+        d = getattr(obj, "__dict__", None) if has_dict else None
+        keys: tuple = ()
+        values: list = []
         if d:
-            values = (tuple(d), *d.values())
-        slots = self._slot_names(type(obj))
-        if slots:
+            keys, values = tuple(d), list(d.values())
+        if getter is not None:
             try:
-                got = _getter(type(obj), slots)(obj)
+                got = getter(obj)
                 values += got if len(slots) > 1 else (got,)
-            except AttributeError:
-                values += tuple(self._state(obj).items())
-        builtin = _builtin_base(type(obj))
+            except AttributeError:  # a slot not set yet: by name, the set ones
+                state = self._state(obj)
+                keys += tuple(k for k in slots if k in state)
+                values += [state[k] for k in slots if k in state]
         if builtin is not None:
-            values += (self._fp(list(builtin.items(obj)) if builtin is dict else list(builtin.__iter__(obj))),)
-        if any(type(x) in _DEEP for x in values):
-            return tuple(self._fp(x) for x in values)
-        return tuple(_Identity(x) if type(x) not in _SCALARS else x for x in values)
+            values.append(list(builtin.items(obj)) if builtin is dict else list(builtin.__iter__(obj)))
+        return keys, values
 
-    def reachable(self, roots: list[Any]) -> list[str]:
+    def _fingerprint(self, obj: Any, keys_values: tuple[tuple, list] | None = None) -> Any:
+        """Equal fingerprints mean the object's state has not changed: the same attribute names, the very same
+        value objects (by ``id``: the fingerprint holds the values, so no id can be reused while it is kept),
+        containers among them with the same contents, tensors at the same version. Never calls a value's ``__eq__``."""
+        keys, values = keys_values if keys_values is not None else self._values(obj)
+        deep: tuple = ()
+        kinds = set(map(type, values)) - _FLAT
+        if kinds and _watched(kinds):  # containers (their contents), tensors (their versions)
+            deep = tuple(self._fp(x) for x in values if type(x) in _DEEP or type(x).__module__ == "torch")
+        return (keys, tuple(map(id, values)), deep, values)
+
+    def reachable(self, roots: list[Any], fingerprints: dict[str, Any] | None = None) -> list[str]:
         """The mirrored objects reachable from ``roots``: through containers, mirrored objects' state, and other
-        objects' ``__dict__`` (the learner's objects, on the sandbox's side); never through code or modules."""
+        objects' ``__dict__`` (the learner's objects, on the sandbox's side); never through code or modules.
+        ``fingerprints`` receives each one's :meth:`_fingerprint`, taken on the way."""
         seen: set[int] = set()
         found: list[str] = []
         stack = list(roots)
+        pop, extend, mark = stack.pop, stack.extend, seen.add
+        mirror_ids, mirrors, scalars = self._mirror_ids, self.mirrors, _SCALARS
         while stack:
-            v = stack.pop()
+            v = pop()
             t = type(v)
-            if t in _SCALARS or id(v) in seen:
+            if t in scalars or id(v) in seen:
                 continue
-            seen.add(id(v))
-            if t in _SEQUENCES or t in (set, frozenset):
-                stack.extend(v)
+            mark(id(v))
+            if t in _FLAT_CONTAINERS:
+                if not scalars.issuperset(map(type, v)):  # a list of token ids holds nothing to visit
+                    extend(v)
                 continue
             if t in _MAPPINGS:
-                stack.extend(v.keys())
-                stack.extend(v.values())
+                if not scalars.issuperset(map(type, v)):
+                    extend(v.keys())
+                if not scalars.issuperset(map(type, v.values())):
+                    extend(v.values())
                 continue
-            mid = self._mirror_ids.get(id(v))
-            if mid is not None and self.mirrors.get(mid) is v:
+            mid = mirror_ids.get(id(v))
+            if mid is not None and mirrors.get(mid) is v:
                 found.append(mid)
-                stack.extend(self._state(v).values())
+                keys_values = self._values(v)
+                extend(keys_values[1])
+                if fingerprints is not None:
+                    fingerprints[mid] = self._fingerprint(v, keys_values)
                 continue
             if t is types.MethodType:
                 stack.append(v.__self__)
@@ -379,7 +437,7 @@ class Codec:
             except AttributeError:
                 continue
             if type(d) is dict:
-                stack.extend(d.values())
+                extend(d.values())
         return found
 
     def mirror_states(self, roots: list[Any] | None = None) -> dict[str, dict]:
@@ -387,12 +445,15 @@ class Codec:
         them, or those reachable from ``roots`` (what the message's code could have reached)."""
         out: dict[str, dict] = {}
         done: set[str] = set()
-        todo = list(self.mirrors) if roots is None else self.reachable(roots)
+        fingerprints: dict[str, Any] = {}
+        todo = list(self.mirrors) if roots is None else self.reachable(roots, fingerprints)
         while todo:
             for mid in todo:
                 done.add(mid)
                 obj = self.mirrors[mid]
-                fp = self._fingerprint(obj)
+                fp = fingerprints.get(mid)
+                if fp is None:
+                    fp = self._fingerprint(obj)
                 if self._last_state.get(mid) != fp:
                     self._last_state[mid] = fp
                     entry = {"class": qualified_name(_library_base(type(obj), exact=False) or type(obj)),
