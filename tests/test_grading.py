@@ -991,6 +991,43 @@ def test_wire_mirrors_library_objects_by_state():
     assert trusted.mirror_states([pool]) == {}  # nothing echoes back
 
 
+def test_wire_sends_exactly_the_mirrored_state_that_changed():
+    """A mirrored object crosses again when anything of its state changed: a value replaced (even by an equal
+    one: the other side must get the new object), a list or dict changed in place, a tensor written in place;
+    and not when nothing did. Deciding never calls a value's ``__eq__`` (a learner's may raise or lie)."""
+    import torch
+
+    from pagedkv import BlockPool
+    from pagedkv.request import Request
+
+    class NoEq:
+        def __eq__(self, other):
+            raise AssertionError("__eq__ called")
+
+        __hash__ = object.__hash__
+
+    codec = wire.Codec("s", export=lambda o: {"$h": 1}, import_handle=None, exported=None)  # the sandbox's side
+    pool, request = BlockPool(4), Request("r", [1, 2, 3])
+    request.extra = [NoEq()]
+    request.weights = torch.zeros(3)
+    codec.begin()
+    codec.encode([pool, request])
+    assert len(codec.mirror_states([pool, request])) > len(pool.blocks) + 1  # all new: pool, blocks, queue, request
+    assert codec.mirror_states([pool, request]) == {}
+    changes = [
+        lambda: setattr(request, "prompt_token_ids", list(request.prompt_token_ids)),  # equal, not the same
+        lambda: request.extra.append(NoEq()),
+        lambda: request.weights.add_(1),
+        lambda: setattr(pool.blocks[2], "ref_cnt", 5),
+    ]
+    for change, changed in zip(changes, ["request", "request", "request", "block"], strict=True):
+        change()
+        sent = codec.mirror_states([pool, request])
+        assert len(sent) == 1, (changed, sent)
+        assert next(iter(sent.values()))["class"].endswith("Request" if changed == "request" else "KVCacheBlock")
+        assert codec.mirror_states([pool, request]) == {}
+
+
 def test_wire_sends_a_checks_triton_function_by_name_from_the_trusted_side_only():
     from pagedkv.grading.lessons import l06_paged_attention_kernel as l06
 
