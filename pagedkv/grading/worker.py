@@ -401,7 +401,8 @@ def _cpu_clock() -> float:
     """CPU seconds of this worker and of the sandbox running the learner's code now: what the checks' per-call
     time limits count while grading (:data:`pagedkv.grading.checks.cpu_clock`)."""
     sandbox = _CURRENT.get("sandbox")
-    return time.process_time() + (sandbox.cpu_seconds() if sandbox is not None else 0.0)
+    running = sandbox is not None and sandbox.fd_to != -1  # a closed one's pid may be another process's by now
+    return time.process_time() + (sandbox.cpu_seconds() if running else 0.0)
 
 
 def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: bool = False) -> dict:
