@@ -68,7 +68,13 @@ from typing import Any
 import torch
 
 from pagedkv.block_table import make_block_table_tensor
-from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
+from pagedkv.engine.attention import (
+    ATTN_IMPLEMENTATION,
+    METADATA_KWARG,
+    AttentionMetadata,
+    make_decode_groups,
+    make_pool_decode,
+)
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
@@ -818,6 +824,9 @@ class ModelRunner:
                                         dtype=torch.long, device=dev)
         window = self.group_windows[group]
         decodes = [b for b in range(b_count) if qsl[b + 1] - qsl[b] == 1]
+        # the decode rows read in place from the pool where they can be (full attention, no block shared)
+        pool = None if self.backend == "triton" or window is not None else make_pool_decode(
+            decodes, seq_lens, tables if tables.device.type == "cpu" else tables.cpu(), qsl, self.block_size)
         prefills = [(b, qsl[b], qsl[b + 1], seq_lens[b]) for b in range(b_count) if qsl[b + 1] - qsl[b] > 1]
         return AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -830,7 +839,8 @@ class ModelRunner:
             backend=self.backend,
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
-            decode_groups=None if self.backend == "triton" or not decodes else [
+            pool_decode=None if pool is None else pool.to(dev),
+            decode_groups=None if self.backend == "triton" or not decodes or pool is not None else [
                 g.to(dev) for g in make_decode_groups(decodes, seq_lens, tables, qsl, self.block_size,
                                                       sliding_window=window)
             ],
