@@ -83,7 +83,6 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-
 # --------------------------------------------------------------------------------------------------
 # the run, its table and its plots
 # --------------------------------------------------------------------------------------------------
@@ -132,7 +131,6 @@ def run(
     return {"read_roof": roof, "read_bandwidth_GBps": read_bw, "num_sms": num_sms(device), "correctness": correctness,
             "decode": rows, "prefill": prefill, "fp8": fp8, "host_overhead_us": host_overhead_us(device),
             "skipped": skipped}
-
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -31,7 +31,6 @@ from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheConfig, Sliding
 from pagedkv.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
-    PrefixCacheStats,
     get_hash_fn,
     short_hash,
     update_block_hashes,
@@ -46,6 +45,7 @@ from pagedkv.kv_events import (
     RequestForked,
     SkippedBlocksRemoved,
 )
+from pagedkv.metrics.stats import PrefixCacheStats
 from pagedkv.request import Request
 from pagedkv.single_type_kv_cache_manager import FullAttentionManager, blocks_written
 from pagedkv.trace import EventTrace

@@ -30,3 +30,20 @@ def test_unknown_options_elsewhere_are_refused(calls):
         cli.main(["grade", "--bogus"])
     assert e.value.code == 2
     assert calls == []
+
+
+def test_the_engine_benchmarks_default_folder_is_ignored_by_git():
+    """``./lab bench`` with no names runs the engine's default run: it writes no tracked file."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from pagedkv.benchmarks import engine
+
+    folder = engine.default_results_folder({"config": {"date": "2026-12-02T03:00:00+00:00", "cpu_count": 2}})
+    assert not folder.is_absolute() and folder.parts[0] == "artifacts"
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(folder / "engine.json")])
+    assert ignored.returncode == 0, f"{folder} is not ignored by git"

@@ -36,9 +36,11 @@ layers on every real token, attention over the real context lengths, the LM head
 split (``time_split``) into the forward (layers and LM head), attention (every layer's attention call), sampling,
 scheduling, input preparation and the rest (taking samples back, outputs, the ``generate`` loop).
 
-The default (CPU) run repeats everything ``--runs`` times (3) and writes ``benchmarks/results/cpu/<date>-<N>core/
-engine.json`` (and ``engine.png``): ``rows`` is the median run's (by the engine's share of the roof), ``runs``
-holds every run, ``spread`` each implementation's range over them.
+The default (CPU) run repeats everything ``--runs`` times (3) and writes ``engine.json`` (and ``engine.png``) to
+``--out DIR``, by default ``artifacts/bench_engine/<date>-<N>core/`` under the current folder (git-ignored, like
+the kernel benchmark's ``artifacts/bench_interpreter``; a run to keep beside the committed ones is
+``--out benchmarks/results/cpu/<date>-<N>core``): ``rows`` is the median run's (by the engine's share of the
+roof), ``runs`` holds every run, ``spread`` each implementation's range over them.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -596,7 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, metavar="N", help="the model's vocabulary size (default: the size's own)")
     parser.add_argument("--runs", type=int, metavar="N",
                         help="repeat the whole comparison N times (default: 3 for the default run, else 1)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="write engine.json and engine.png to DIR (the default run's default: "
+                             "artifacts/bench_engine/<date>-<N>core, git-ignored)")
     args = parser.parse_args(argv)
+    if args.out and args.json:
+        parser.error("--out names the folder of engine.json; give --out or --json, not both")
     cfg = BenchConfig.tiny() if args.tiny else BenchConfig.gpu() if args.gpu else BenchConfig()
     default_run = not (args.tiny or args.gpu)
     cfg.runs = args.runs if args.runs is not None else 3 if default_run else 1
@@ -616,8 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run(cfg)
     print(format_table(result))
     json_path, plot_path = args.json, args.plot
-    if default_run and not json_path and not args.impls:  # the default run is kept where the earlier runs are
-        folder = default_results_folder(result)
+    if args.out or (default_run and not json_path and not args.impls):  # kept, outside the tracked files
+        folder = Path(args.out) if args.out else default_results_folder(result)
         folder.mkdir(parents=True, exist_ok=True)
         name = "engine" if args.vocab is None else f"engine_vocab{cfg.vocab_size}"
         json_path, plot_path = str(folder / f"{name}.json"), plot_path or str(folder / f"{name}.png")
@@ -631,12 +639,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def default_results_folder(result: dict[str, Any]):
-    """``benchmarks/results/cpu/<date>-<N>core/`` of this checkout: where the default run writes its JSON."""
-    from pagedkv.benchmarks.provenance import REPO_ROOT
-
+def default_results_folder(result: dict[str, Any]) -> Path:
+    """``artifacts/bench_engine/<date>-<N>core/`` under the current folder: where the default run writes its
+    JSON without ``--out``. Git ignores ``artifacts/``, so a plain ``./lab bench`` changes no tracked file;
+    a run under ``benchmarks/results/cpu/`` is committed on purpose (``--out``), with a README."""
     c = result["config"]
-    return REPO_ROOT / "benchmarks" / "results" / "cpu" / f"{c['date'][:10]}-{c['cpu_count']}core"
+    return Path("artifacts") / "bench_engine" / f"{c['date'][:10]}-{c['cpu_count']}core"
 
 
 if __name__ == "__main__":

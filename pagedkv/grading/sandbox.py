@@ -426,6 +426,10 @@ def _preexec(limits: Limits, cgroup: Cgroup | None) -> None:
     address randomisation, death with the grader, the cgroup, and rlimits (address space, CPU time, file size,
     processes, no core files)."""
     os.setsid()
+    # Python installs its KeyboardInterrupt handler only where SIGINT is not ignored at start, and a grader
+    # started in the background (`cmd &`, nohup) passes an ignored SIGINT on: a looping cell could not be
+    # interrupted. The cell limit depends on that interrupt, so the sandbox always starts with the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     same_hashes()
     libc = _libc()
     if libc is not None:
