@@ -173,7 +173,7 @@ class Question:
 def load_tests(zip_path: Path) -> list[Question]:
     """The set's questions in notebook order, with their test cases (the zip's ``tests/*.py``, defined here: the
     test files are the course's code, read from the trusted zip) and reference symbols."""
-    from pagedkv.grading.sandbox import expand_classes, lesson_checks, with_private_twins
+    from pagedkv.grading.sandbox import expand_classes, lesson_checks
 
     questions: dict[str, Question] = {}
     order: list[str] = []
@@ -206,7 +206,7 @@ def load_tests(zip_path: Path) -> list[Question]:
             exec(compile(source, f"<tests/{Path(entry).name}>", "exec"), namespace)  # noqa: S102 - trusted zip
             qname = str(namespace.get("name") or Path(entry).stem)
             ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
-            questions[qname] = Question(qname, cases, with_private_twins(expand_classes(str(r) for r in ref or [])))
+            questions[qname] = Question(qname, cases, expand_classes(str(r) for r in ref or []))
     checks = lesson_checks(sources)  # hidden in every exercise of the set
     for q in questions.values():
         q.reference[:] = sorted(set(q.reference) | set(checks))
