@@ -491,3 +491,24 @@ def test_set05_no_other_copy_of_an_answer_scores(tmp_path):
     listed too; the private twins ``_num_gpu_blocks`` and ``_analytic_profile`` were hidden by a guess from their
     names (``sandbox.with_private_twins``). Now each answer has one copy, which the others call, and no twin."""
     _scores_0_told_why(tmp_path, "05_sizing_the_pool", SET05_ROUTES)
+
+
+def test_a_case_that_composes_both_halves_of_an_answer_is_refused(monkeypatch):
+    """Set 03's hidden lookup case built the learner's manager with the library's caching and, a few lines on,
+    with the library's lookup; the worker ran it again in a sandbox holding both, where the learner's methods
+    reached them through ``super()`` (2/5 for an answer that implemented nothing). A case that needs a second
+    library part now fails, naming both, so that the course splits it."""
+    from pagedkv.grading.limits import Limits
+
+    def test_case(PrefixCachingKVCacheManager):
+        pass
+
+    needs = iter([{"pagedkv.kv_cache_manager.KVCacheManager._cache_blocks"},
+                  {"pagedkv.kv_cache_manager.KVCacheManager.get_computed_blocks"}])
+    grader = worker.Grader([], Limits())
+    monkeypatch.setattr(grader, "run_case", lambda case, refs, clients: next(needs))
+    q = worker.Question("prefix_lookup", [worker.Case("test_case", 2.0, True, test_case)],
+                        ["pagedkv.kv_cache_manager.KVCacheManager._cache_blocks",
+                         "pagedkv.kv_cache_manager.KVCacheManager.get_computed_blocks"])
+    (case,) = grader.grade_question(q)["cases"]
+    assert not case["passed"] and "KVCacheManager._cache_blocks and also with" in case["message"], case
