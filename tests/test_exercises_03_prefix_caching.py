@@ -131,7 +131,7 @@ WRONG = [
     ("copies_an_empty_block", "copy_on_write", "            if i * bs < request.num_computed_tokens:\n",
      "            if True:\n", "nothing to copy"),
     ("never_records_the_copy", "copy_on_write", "            if i * bs < request.num_computed_tokens:\n",
-     "            if False:\n", "reads back token"),
+     "            if False:\n", "in manager.pending_copies"),
     ("only_the_first_block_written", "copy_on_write", "    for i in range(first, last):",
      "    for i in range(first, min(last, first + 1)):", "needs a private block"),
 ]

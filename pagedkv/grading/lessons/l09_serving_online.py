@@ -92,8 +92,14 @@ def _expect_stop(fn: Any, args: tuple) -> None:
         return
     call = "check_stop_strings(" + ", ".join(describe(a) for a in args) + ")"
     message = f"{call} returned {describe(got)}, expected {describe(want)}"
-    if got is None and want is not None:  # the stub's answer: the stub's message, no mistake's hint beside it
-        fail(f"{message}. {STUB_NOTE}")
+    if got is None and want is not None:
+        # The stub's answer too, so no mistake's hint (it would point a learner who has not started at a bug they
+        # do not have): where the match is, which is what an answer that missed it needs, then the stub's note.
+        text, new, _, _ = args
+        at = text.find(want[0], max(0, len(text) - new - len(want[0]) + 1))
+        where = ", in the old text," if at < len(text) - new else ""
+        fail(f"{message}: {want[0]!r} starts at index {at}{where} and ends in the last {new} character(s), the new "
+             f"ones, so it must be found. {STUB_NOTE}")
     hints = [why for value, why in _stop_mistakes(*args) if value == got and value != want]
     if want is not None and got is not None and isinstance(got, tuple) and len(got) == 2 and got[0] == want[0]:
         if want[1] == -1:
@@ -185,6 +191,10 @@ def _expect_hashes(fn: Any, args: tuple) -> list[bytes]:
         (_chain(tokens, bs, lambda i: (salt,) if i == 0 else None),
          "with no salt, extra_keys must be None, not (None,): an unsalted request must hash as before salting "
          "existed"),
+        (_chain(tokens, bs, lambda i: None),
+         "the salt is missing: block 0's extra_keys is (cache_salt,) when there is a salt"),
+        (_chain(tokens, bs, lambda i: salt if i == 0 and salt is not None else None),
+         "extra_keys is a tuple: block 0's is (cache_salt,), not the bare string"),
     ]
     hints = [why for value, why in mistakes if value == got]
     first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
@@ -260,7 +270,7 @@ def _expect_metrics(fn: Any, args: tuple) -> None:
         fail(f"{call} returned None. {STUB_NOTE}")
     if not isinstance(got, dict) or any(k not in got for k in KEYS):
         fail(f"{call} returned {describe(got)}: return a dict with the keys {list(KEYS)}")
-    for key in KEYS:
+    for key in ("ttft", "itl", "latency", "output_len", "tpot"):  # TPOT last: it is computed from the others
         if _close(got[key], want[key]):
             continue
         hint = ""
