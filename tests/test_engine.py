@@ -268,6 +268,11 @@ def test_sampling_params_follow_vllm():
             SamplingParams(temperature=bad)
 
 
+def test_greedy_ties_take_the_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
+    assert Sampler().sample(logits, [GREEDY, GREEDY], [None, None]).tolist() == [1, 0]  # as torch.argmax
+
+
 def test_sampler_top_k_and_top_p_limits():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
