@@ -7,8 +7,8 @@ Run it: ``python -m pagedkv.benchmarks.engine [--json FILE] [--plot FILE] [--tin
   holds at the batch's padded length;
 - ``hf_generate_batch``: transformers' continuous batching (``model.generate_batch``, its own paged cache,
   ``num_blocks`` from the budget);
-- ``pagedkv``: this lab's engine (``pagedkv.engine.LLM``, ``num_gpu_blocks`` from the budget), on its own Llama
-  decoder (``pagedkv.engine.llama``); opt-in with ``--impls``: ``pagedkv_transformers``, the same engine on
+- ``pagedkv``: this lab's engine (``pagedkv.engine.LLM``, ``num_gpu_blocks`` from the budget), on a CPU on its own
+  Llama decoder (``pagedkv.engine.llama``); opt-in with ``--impls``: ``pagedkv_transformers``, the same engine on
   transformers' modules (``model_impl="transformers"``), and ``pagedkv_sync``, the sync loop.
 
 Greedy decoding, no EOS (every request makes exactly ``max_new_tokens``), so the outputs are comparable token
@@ -294,8 +294,8 @@ def run_hf_generate_batch(model, prompts, cfg: BenchConfig, budget: int) -> list
 def make_pagedkv(model, cfg: BenchConfig, budget: int, async_scheduling: bool = True, model_impl: str = "auto"):
     """The engine, built once before the clock starts (its KV pool, and on a GPU its CUDA graphs), as
     ``vllm bench throughput`` builds its ``LLM`` before timing ``generate``. Async scheduling, vLLM 0.26's
-    default, unless ``async_scheduling=False`` (``pagedkv_sync``: the sync loop, for comparison); the lab's own
-    Llama decoder unless ``model_impl="transformers"`` (``pagedkv_transformers``: transformers' modules with
+    default, unless ``async_scheduling=False`` (``pagedkv_sync``: the sync loop, for comparison); on a CPU the
+    lab's own Llama decoder unless ``model_impl="transformers"`` (``pagedkv_transformers``: transformers' modules with
     the lab's attention, the engine as it was before it had its own model code)."""
     from pagedkv.engine import LLM
 
