@@ -19,6 +19,15 @@ def test_bench_forwards_options_to_the_one_benchmark_named(calls):
     assert calls == [["pagedkv.benchmarks.engine", "--json", "/tmp/x.json", "--tiny"]]
 
 
+def test_help_after_a_benchmark_name_is_that_benchmarks_help(calls, capsys):
+    """``./lab help`` sends learners to ``pagedkv bench serve --help``: it must reach the serve benchmark."""
+    assert cli.main(["bench", "serve", "--help"]) == 0
+    assert calls == [["pagedkv.benchmarks.serve", "--help"]]
+    assert cli.main(["bench", "--help"]) == 0
+    assert calls == [["pagedkv.benchmarks.serve", "--help"]]
+    assert "benchmarks to run" in capsys.readouterr().out
+
+
 def test_bench_options_need_exactly_one_name(calls, capsys):
     assert cli.main(["bench", "engine", "kernels", "--tiny"]) == 2
     assert calls == []
