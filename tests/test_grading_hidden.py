@@ -512,3 +512,32 @@ def test_a_case_that_composes_both_halves_of_an_answer_is_refused(monkeypatch):
                          "pagedkv.kv_cache_manager.KVCacheManager.get_computed_blocks"])
     (case,) = grader.grade_question(q)["cases"]
     assert not case["passed"] and "KVCacheManager._cache_blocks and also with" in case["message"], case
+
+
+# A decode "loop" that shortens every sequence to its first token in the check's own seq_lens, then writes that
+# token's value: the attention over one token.
+SHORTENED = '''@triton.jit
+def paged_decode_v1_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qk_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    tl.store(seq_lens_ptr + b, 1)
+    block = tl.load(block_tables_ptr + b * stride_bt)
+    offs_d = tl.arange(0, HEAD_DIM)
+    v = tl.load(v_cache_ptr + block * stride_kb + (h // GROUP) * stride_kh + offs_d)
+    tl.store(out_ptr + b * stride_qb + h * stride_qh + offs_d, v.to(out_ptr.dtype.element_ty))
+'''
+
+
+@pytest.mark.slow
+def test_set06_a_kernel_that_shortens_the_checks_sequences_scores_0(tmp_path):
+    """The decode checks handed the kernel their own ``seq_lens`` and computed the reference afterwards from it:
+    a kernel that wrote 1 into every sequence length and returned the first token's value matched. The reference
+    is computed first now, and the kernel gets copies."""
+    graded = _graded(tmp_path, "06_paged_attention_kernel", {"paged_decode_v1_kernel": SHORTENED})
+    assert graded["paged_decode_v1_kernel"]["score"] == 0, graded["paged_decode_v1_kernel"]
