@@ -5,6 +5,7 @@ float64 reference before it is timed (``python -m pagedkv.kernels.bench``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -90,7 +91,6 @@ def _gather_sdpa(query, key_cache, value_cache, block_tables, ctx, scale):
     return _sdpa_grouped(query, k, v, scale)
 
 
-
 def _bench_decode_shape(dname, batch, ctx, device, shape, impls, reps, read_bw, gen, log, min_splits):
     """Check, then time, every implementation at one (dtype, batch, context); returns (correctness, rows)."""
     hq, hkv, d, block_size = shape
@@ -159,18 +159,23 @@ def _fits(batch, ctx, shape, elt, device, factor=2.1) -> tuple[bool, str]:
     return True, ""
 
 
+def _cases_that_fit(cases, what, device, shape, factor, log) -> Iterator[tuple[int, int]]:
+    """The ``(batch, tokens)`` cases whose 16-bit paged cache, ``factor`` times over, fits in free memory: the
+    others are logged as skipped (``what`` names the benchmark); the allocator's cache is emptied after each."""
+    for batch, length in cases:
+        ok, reason = _fits(batch, length, shape, 2, device, factor=factor)
+        if not ok:
+            log(f"skip {what} {batch}x{length}: {reason}")
+            continue
+        yield batch, length
+        _empty_cache(device)
 
 
 def bench_prefill(cases, dname, device, shape, reps, gen, log) -> list[dict]:
     """Paged prefill (whole prompts through the block table) vs SDPA causal on the same K/V, contiguous."""
     rows = []
-    for batch, length in cases:
-        ok, reason = _fits(batch, length, shape, 2, device, factor=3)
-        if not ok:
-            log(f"skip prefill {dname} {batch}x{length}: {reason}")
-            continue
+    for batch, length in _cases_that_fit(cases, f"prefill {dname}", device, shape, 3, log):
         rows += _bench_prefill_case(batch, length, dname, device, shape, reps, gen, log)
-        _empty_cache(device)
     return rows
 
 
@@ -215,15 +220,8 @@ def _bench_prefill_case(batch, length, dname, device, shape, reps, gen, log) -> 
 
 def bench_fp8(cases, dname, device, shape, reps, read_bw, gen, log) -> list[dict]:
     """Decode on an fp8 (e4m3, per-tensor scale) cache vs the same values in a 16-bit cache: speed and error."""
-    rows = []
-    for batch, ctx in cases:
-        ok, reason = _fits(batch, ctx, shape, 2, device, factor=1.6)
-        if not ok:
-            log(f"skip fp8 B={batch} L={ctx}: {reason}")
-            continue
-        rows.append(_bench_fp8_case(batch, ctx, dname, device, shape, reps, read_bw, gen, log))
-        _empty_cache(device)
-    return rows
+    return [_bench_fp8_case(batch, ctx, dname, device, shape, reps, read_bw, gen, log)
+            for batch, ctx in _cases_that_fit(cases, "fp8", device, shape, 1.6, log)]
 
 
 def _bench_fp8_case(batch, ctx, dname, device, shape, reps, read_bw, gen, log) -> dict:

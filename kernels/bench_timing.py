@@ -89,7 +89,6 @@ def _empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-
 def _host_us(fn: Callable[[], object], device: torch.device, n: int) -> float:
     if device.type == "cuda":
         fn()

@@ -24,11 +24,12 @@ vLLM counterparts: ``vllm.utils.cdiv`` (our :func:`blocks_needed`), the admissio
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from pagedkv.utils import check_int
 
 __all__ = [
     "POLICIES",
@@ -50,28 +51,12 @@ __all__ = [
 POLICIES = ("fcfs", "skip")
 
 
-def _as_int(value: object, name: str) -> int:
-    """``value`` as a Python int (numpy integers welcome); ValueError for floats, bools, strings, None."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got the bool {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
-
-
 def _check_tokens(num_tokens: object, name: str = "num_tokens") -> int:
-    n = _as_int(num_tokens, name)
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return n
+    return check_int(num_tokens, name, 0)
 
 
 def _check_block_size(block_size: object) -> int:
-    b = _as_int(block_size, "block_size")
-    if b <= 0:
-        raise ValueError(f"block_size must be >= 1, got {b}")
-    return b
+    return check_int(block_size, "block_size", 1)
 
 
 def _check_lens(lens: Iterable[object]) -> list[int]:
@@ -102,12 +87,8 @@ def contiguous_capacity(pool_blocks: int, max_len: int, block_size: int) -> int:
     the pool divided by that, rounded down. The seed card's example: 128 blocks, ``max_len`` 512, blocks of
     16: 32 blocks per sequence, 4 sequences. There is no vLLM counterpart: this is the pre-vLLM baseline.
     """
-    pool = _as_int(pool_blocks, "pool_blocks")
-    if pool < 0:
-        raise ValueError(f"pool_blocks must be >= 0, got {pool}")
-    m = _as_int(max_len, "max_len")
-    if m <= 0:
-        raise ValueError(f"max_len must be >= 1, got {m}")
+    pool = check_int(pool_blocks, "pool_blocks", 0)
+    m = check_int(max_len, "max_len", 1)
     return pool // blocks_needed(m, block_size)
 
 
@@ -127,9 +108,7 @@ def paged_admission(
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     tokens = _check_lens(lens)
-    pool = _as_int(pool_blocks, "pool_blocks")
-    if pool < 0:
-        raise ValueError(f"pool_blocks must be >= 0, got {pool}")
+    pool = check_int(pool_blocks, "pool_blocks", 0)
     b = _check_block_size(block_size)
 
     free = pool
@@ -157,9 +136,7 @@ def paged_internal_waste(num_tokens: int, block_size: int) -> int:
 def contiguous_internal_waste(num_tokens: int, max_len: int) -> int:
     """Slots reserved but unused when a sequence of ``num_tokens`` tokens reserves ``max_len`` slots."""
     n = _check_tokens(num_tokens)
-    m = _as_int(max_len, "max_len")
-    if m <= 0:
-        raise ValueError(f"max_len must be >= 1, got {m}")
+    m = check_int(max_len, "max_len", 1)
     if n > m:
         raise ValueError(f"num_tokens ({n}) exceeds max_len ({m}): the reservation cannot hold it")
     return m - n
@@ -234,14 +211,10 @@ def sample_request_lengths(
     the right like chat traces such as ShareGPT (most requests a few hundred tokens, a long tail). A stand-in
     shaped like such traces, not real data.
     """
-    count = _as_int(n, "n")
-    if count < 0:
-        raise ValueError(f"n must be >= 0, got {count}")
+    count = check_int(n, "n", 0)
     if median <= 0 or sigma < 0:
         raise ValueError(f"median must be > 0 and sigma >= 0, got median={median}, sigma={sigma}")
-    cap = _as_int(max_len, "max_len")
-    if cap < 1:
-        raise ValueError(f"max_len must be >= 1, got {cap}")
+    cap = check_int(max_len, "max_len", 1)
     rng = np.random.default_rng(seed)
     draws = rng.lognormal(mean=float(np.log(median)), sigma=sigma, size=count)
     return [int(x) for x in np.clip(np.rint(draws), 1, cap)]

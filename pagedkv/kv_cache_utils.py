@@ -1,15 +1,17 @@
 """The pieces the block pool is made of: KV cache blocks, the free-block queue, and block hashes.
 
 Mirrors ``vllm/v1/core/kv_cache_utils.py`` (``KVCacheBlock``, ``FreeKVCacheBlockQueue``,
-``hash_block_tokens``, ``NONE_HASH``, ``PrefixCacheStats`` lives in ``vllm/v1/metrics/stats.py``).
+``hash_block_tokens``, ``NONE_HASH``). ``PrefixCacheStats`` lives in :mod:`pagedkv.metrics.stats`, as in vLLM
+(``vllm/v1/metrics/stats.py``); it is re-exported here for code that imported it from this module.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, Union
+
+from pagedkv.metrics.stats import PrefixCacheStats  # noqa: F401 - re-exported: its old import path
 
 #: A block's hash: an int from Python's ``hash`` or 32 bytes from sha256.
 BlockHash = Union[int, bytes]  # noqa: UP007 - kept a plain alias so it reads the same in the lesson
@@ -345,17 +347,3 @@ def short_hash(block_hash: Any) -> str:
     if isinstance(block_hash, bytes):
         return block_hash[:3].hex()
     return f"{block_hash & 0xFFFFFF:06x}"
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters, in tokens. Mirrors ``PrefixCacheStats`` in ``vllm/v1/metrics/stats.py``."""
-
-    requests: int = 0  # lookups made
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found in the cache
-    reset: bool = False  # the cache was reset since the last read
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0

@@ -80,5 +80,7 @@ def test_bad_arguments_are_refused() -> None:
         bench.run_benchmark(sizes=(8,), impls=("heap",), **TINY)
     with pytest.raises(ValueError, match="pool sizes"):
         bench.measure_series("alloc+free", bench.DEQUE, [0])
+    with pytest.raises(ValueError, match=r"pool sizes\[1\] must be an int >= 1, got True"):
+        bench.measure_series("alloc+free", bench.DEQUE, [8, True])
     with pytest.raises(SystemExit):
         bench.main(["--sizes", "1.5"])

@@ -171,6 +171,31 @@ def test_nothing_survives_the_sandbox(tmp_path):
     assert "4244.5" not in ps
 
 
+@needs_bwrap
+def test_a_looping_cell_is_interrupted_even_when_the_grader_ignores_sigint():
+    """A grader started in the background (``cmd &``, nohup) has SIGINT ignored and passes that on: Python then
+    installs no KeyboardInterrupt handler, and a looping cell could not be interrupted (its sandbox was killed
+    and the cell reported as one that ignores interrupts, whatever it did)."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sandbox = Sandbox(limits=Limits(), require=True)
+        sandbox.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        client = Client(sandbox, [])
+        assert client.exec_cell(1, "before = 1\n", 120) == {}  # started (a generous bound), then the loop
+        result = client.exec_cell(2, "while True:\n    pass\n", 1)
+        assert result.get("timed_out") and result.get("error") == "KeyboardInterrupt", result
+        assert client.dead is None
+        assert client.exec_cell(3, "after = 1\n", 120) == {}
+        assert client.names(["after"]) == {"after": 1}
+    finally:
+        sandbox.close()
+
+
 def test_reports_replace_a_planted_symlink_instead_of_writing_through_it(tmp_path):
     """Route: symlinks planted at the --csv/--json paths; the grader (root) must not write through them."""
     secret = tmp_path / "root-only"

@@ -83,3 +83,16 @@ def test_the_repository_names_no_design_note_it_does_not_contain():
     assert not offenders, offenders
     for note in ("design.md", "browser-testing.md", "vllm-core-on-cpu.md"):
         assert (ROOT / "docs" / note).is_file(), note
+
+
+def test_moved_names_keep_their_old_import_paths():
+    """Split modules re-export what lessons and exercises import from the old path: the same objects."""
+    import pagedkv.contiguous as contiguous
+    import pagedkv.kv_cache_utils as kv_cache_utils
+    from pagedkv.contiguous import allocator, replay
+    from pagedkv.metrics import stats
+
+    assert kv_cache_utils.PrefixCacheStats is stats.PrefixCacheStats
+    assert contiguous.FirstFitAllocator is allocator.FirstFitAllocator and contiguous.Hole is allocator.Hole
+    for name in ("AllocationEvent", "TraceRequest", "make_trace", "simulate_first_fit", "simulate_paged"):
+        assert getattr(contiguous, name) is getattr(replay, name), name

@@ -114,6 +114,8 @@ def test_bad_splits_are_refused_before_anything_changes():
             shard_model(model, tp, 0)
     with pytest.raises(ValueError, match="rank"):
         shard_model(model, 2, 2)
+    with pytest.raises(ValueError, match=r"rank must be an int in 0\.\.1, got True"):  # a bool is no rank
+        kv_head_shard(2, 2, True)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     check_shardable(model.config, 4)  # 4 ranks: one query head each, the 2 KV heads replicated twice
 

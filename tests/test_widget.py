@@ -361,6 +361,8 @@ def test_widget_state(rec: TraceRecorder) -> None:
         ({"frame": 99}, "frame must be an int"),
         ({"fps": 0}, "fps must be > 0"),
         ({"frame": 1.5}, "frame must be"),
+        ({"frame": True}, "frame must be an int"),
+        ({"static_frame": False}, "static_frame must be an int"),
         ({"static_frame": -99}, "static_frame must be"),
         ({"static_frame": "last"}, "static_frame must be"),
         ({"static_max_frames": 0}, "static_max_frames must be"),
@@ -580,7 +582,7 @@ def test_filmstrip_svg_has_a_panel_per_key_frame_and_unique_ids() -> None:
                 assert ref[5:-1] in all_ids, f"{attr} points at a missing id: {ref}"
     assert svg.count("null block") == 1, "one legend for the whole strip"
     assert "@PKV@" not in svg
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"frame index must be an int in 0\.\.\d+ \(\d+ frames\)"):
         filmstrip_svg(views, request_colours(ids), [(len(views), "x")])
     with pytest.raises(ValueError, match="empty"):
         filmstrip_svg(views, request_colours(ids), [])

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from pagedkv.block_pool import BlockPool
 from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from pagedkv.utils import check_int
 
 #: Pool sizes of the default run (blocks).
 DEFAULT_SIZES: tuple[int, ...] = (1_000, 100_000, 1_000_000)
@@ -299,9 +300,8 @@ def measure_series(
         builder = BUILDERS[(op, impl)]
     except KeyError:
         raise ValueError(f"no benchmark for op={op!r} impl={impl!r}; have {sorted(BUILDERS)}") from None
-    for n in sizes:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"pool sizes must be ints >= 1, got {n!r}")
+    for i, n in enumerate(sizes):
+        check_int(n, f"pool sizes[{i}]", 1)
     runners = [builder(n, random.Random(seed)) for n in sizes]
     gc_was_enabled = gc.isenabled()
     gc.disable()

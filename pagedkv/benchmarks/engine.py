@@ -7,7 +7,9 @@ Run it: ``python -m pagedkv.benchmarks.engine [--json FILE] [--plot FILE] [--tin
   holds at the batch's padded length;
 - ``hf_generate_batch``: transformers' continuous batching (``model.generate_batch``, its own paged cache,
   ``num_blocks`` from the budget);
-- ``pagedkv``: this lab's engine (``pagedkv.engine.LLM``, ``num_gpu_blocks`` from the budget).
+- ``pagedkv``: this lab's engine (``pagedkv.engine.LLM``, ``num_gpu_blocks`` from the budget), on a CPU on its own
+  Llama decoder (``pagedkv.engine.llama``); opt-in with ``--impls``: ``pagedkv_transformers``, the same engine on
+  transformers' modules (``model_impl="transformers"``), and ``pagedkv_sync``, the sync loop.
 
 Greedy decoding, no EOS (every request makes exactly ``max_new_tokens``), so the outputs are comparable token
 for token: ``match`` is the share of prompts whose tokens equal ``hf_generate``'s. ``tokens_per_s`` counts
@@ -36,9 +38,11 @@ layers on every real token, attention over the real context lengths, the LM head
 split (``time_split``) into the forward (layers and LM head), attention (every layer's attention call), sampling,
 scheduling, input preparation and the rest (taking samples back, outputs, the ``generate`` loop).
 
-The default (CPU) run repeats everything ``--runs`` times (3) and writes ``benchmarks/results/cpu/<date>-<N>core/
-engine.json`` (and ``engine.png``): ``rows`` is the median run's (by the engine's share of the roof), ``runs``
-holds every run, ``spread`` each implementation's range over them.
+The default (CPU) run repeats everything ``--runs`` times (3) and writes ``engine.json`` (and ``engine.png``) to
+``--out DIR``, by default ``artifacts/bench_engine/<date>-<N>core/`` under the current folder (git-ignored, like
+the kernel benchmark's ``artifacts/bench_interpreter``; a run to keep beside the committed ones is
+``--out benchmarks/results/cpu/<date>-<N>core``): ``rows`` is the median run's (by the engine's share of the
+roof), ``runs`` holds every run, ``spread`` each implementation's range over them.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -286,15 +291,17 @@ def run_hf_generate_batch(model, prompts, cfg: BenchConfig, budget: int) -> list
     return [by_index[i] for i in range(len(prompts))]
 
 
-def make_pagedkv(model, cfg: BenchConfig, budget: int, async_scheduling: bool = True):
+def make_pagedkv(model, cfg: BenchConfig, budget: int, async_scheduling: bool = True, model_impl: str = "auto"):
     """The engine, built once before the clock starts (its KV pool, and on a GPU its CUDA graphs), as
     ``vllm bench throughput`` builds its ``LLM`` before timing ``generate``. Async scheduling, vLLM 0.26's
-    default, unless ``async_scheduling=False`` (``pagedkv_sync``: the sync loop, for comparison)."""
+    default, unless ``async_scheduling=False`` (``pagedkv_sync``: the sync loop, for comparison); on a CPU the
+    lab's own Llama decoder unless ``model_impl="transformers"`` (``pagedkv_transformers``: transformers' modules with
+    the lab's attention, the engine as it was before it had its own model code)."""
     from pagedkv.engine import LLM
 
     return LLM(model, block_size=cfg.block_size, num_gpu_blocks=budget // cfg.block_size + 1,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=4096, seed=cfg.seed,
-               async_scheduling=async_scheduling)
+               async_scheduling=async_scheduling, model_impl=model_impl)
 
 
 def step_times(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -342,10 +349,13 @@ RUNNERS = {
     "hf_generate_batch": run_hf_generate_batch,
     "pagedkv": run_pagedkv,
     "pagedkv_sync": run_pagedkv,  # opt-in (--impls): the same engine with async_scheduling=False
+    "pagedkv_transformers": run_pagedkv,  # opt-in (--impls): the same engine on transformers' modules
 }
 #: Implementations with a set-up step kept out of the timing; its seconds are reported as ``setup_seconds``.
 SETUPS = {"pagedkv": make_pagedkv,
-          "pagedkv_sync": lambda model, cfg, budget: make_pagedkv(model, cfg, budget, async_scheduling=False)}
+          "pagedkv_sync": lambda model, cfg, budget: make_pagedkv(model, cfg, budget, async_scheduling=False),
+          "pagedkv_transformers": lambda model, cfg, budget: make_pagedkv(model, cfg, budget,
+                                                                          model_impl="transformers")}
 
 
 @contextlib.contextmanager
@@ -591,12 +601,18 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="the seconds-long configuration the tests run")
     size.add_argument("--gpu", action="store_true", help="the prepared GPU run (~1B Llama shape, bf16, CUDA)")
-    parser.add_argument("--impls", nargs="+", choices=sorted(RUNNERS), help="run only these (pagedkv_sync: opt-in)")
+    parser.add_argument("--impls", nargs="+", choices=sorted(RUNNERS),
+                        help="run only these (pagedkv_sync, pagedkv_transformers: opt-in)")
     parser.add_argument("--threads", type=int, help="torch threads on a CPU (default 1; 0: torch's default)")
     parser.add_argument("--vocab", type=int, metavar="N", help="the model's vocabulary size (default: the size's own)")
     parser.add_argument("--runs", type=int, metavar="N",
                         help="repeat the whole comparison N times (default: 3 for the default run, else 1)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="write engine.json and engine.png to DIR (the default run's default: "
+                             "artifacts/bench_engine/<date>-<N>core, git-ignored)")
     args = parser.parse_args(argv)
+    if args.out and args.json:
+        parser.error("--out names the folder of engine.json; give --out or --json, not both")
     cfg = BenchConfig.tiny() if args.tiny else BenchConfig.gpu() if args.gpu else BenchConfig()
     default_run = not (args.tiny or args.gpu)
     cfg.runs = args.runs if args.runs is not None else 3 if default_run else 1
@@ -616,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run(cfg)
     print(format_table(result))
     json_path, plot_path = args.json, args.plot
-    if default_run and not json_path and not args.impls:  # the default run is kept where the earlier runs are
-        folder = default_results_folder(result)
+    if args.out or (default_run and not json_path and not args.impls):  # kept, outside the tracked files
+        folder = Path(args.out) if args.out else default_results_folder(result)
         folder.mkdir(parents=True, exist_ok=True)
         name = "engine" if args.vocab is None else f"engine_vocab{cfg.vocab_size}"
         json_path, plot_path = str(folder / f"{name}.json"), plot_path or str(folder / f"{name}.png")
@@ -631,12 +647,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def default_results_folder(result: dict[str, Any]):
-    """``benchmarks/results/cpu/<date>-<N>core/`` of this checkout: where the default run writes its JSON."""
-    from pagedkv.benchmarks.provenance import REPO_ROOT
-
+def default_results_folder(result: dict[str, Any]) -> Path:
+    """``artifacts/bench_engine/<date>-<N>core/`` under the current folder: where the default run writes its
+    JSON without ``--out``. Git ignores ``artifacts/``, so a plain ``./lab bench`` changes no tracked file;
+    a run under ``benchmarks/results/cpu/`` is committed on purpose (``--out``), with a README."""
     c = result["config"]
-    return REPO_ROOT / "benchmarks" / "results" / "cpu" / f"{c['date'][:10]}-{c['cpu_count']}core"
+    return Path("artifacts") / "bench_engine" / f"{c['date'][:10]}-{c['cpu_count']}core"
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ def divide(numerator: int, denominator: int, what: str = "") -> int:
 
 def _check_tp(tp_size: int, rank: int | None = None) -> None:
     check_int(tp_size, "tensor_parallel_size", 1)
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < tp_size):
-        raise ValueError(f"rank must be an int in 0..{tp_size - 1}, got {rank!r}")
+    if rank is not None:
+        check_int(rank, "rank", 0, tp_size - 1)
 
 
 def num_kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:

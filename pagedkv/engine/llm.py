@@ -29,6 +29,7 @@ from pagedkv.async_scheduler import AsyncScheduler
 from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
 from pagedkv.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest
 from pagedkv.engine.executor import UniProcExecutor
+from pagedkv.engine.llama import MODEL_IMPLS
 from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
@@ -138,6 +139,9 @@ class LLM:
     ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`).
     ``async_scheduling`` (default ``True``, vLLM 0.26's for these models): an ``AsyncScheduler`` and
     ``EngineCore.step_with_batch_queue``; ``False``: the plain ``Scheduler`` and ``EngineCore.step``.
+    ``model_impl`` (vLLM's ``--model-impl``): ``"auto"`` runs the lab's own decoder for the Llama family on a
+    CPU (:mod:`pagedkv.engine.llama`) and transformers' modules for the rest and on a GPU; ``"lab"`` or
+    ``"transformers"`` force one (the one-process engine; tensor-parallel ranks run transformers' sharded modules).
     Parts: ``scheduler``, ``kv_cache_manager``, ``runner`` (the ``ModelRunner``), ``model_executor``
     (``UniProcExecutor``), ``engine_core``. Mirrors ``vllm.LLM``.
     """
@@ -164,6 +168,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         kv_cache_memory_bytes: int | Sequence[int] | None = None,
         async_scheduling: bool = True,
+        model_impl: str = "auto",
     ) -> None:
         for name, value in (("block_size", block_size), ("seed", seed)) + (
                 (("max_num_seqs", max_num_seqs),) if max_num_seqs is not None else ()):
@@ -173,6 +178,8 @@ class LLM:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if attn_backend is not None and attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS} or None, got {attn_backend!r}")
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         dev = torch.device(device) if device is not None else None
@@ -257,7 +264,7 @@ class LLM:
                 num_cpu_blocks=num_cpu_blocks, backend=self.attn_backend,
                 use_cuda_graph=self.attn_backend == "triton" and not enforce_eager, max_num_seqs=max_num_seqs,
                 sampler=Sampler(make_generator(seed, self.device)),
-                kv_cache_config=self.kv_cache_config,
+                kv_cache_config=self.kv_cache_config, model_impl=model_impl,
             )
         except BaseException:
             self.shutdown()  # no worker outlives a failed start

@@ -14,8 +14,10 @@ tables on the device, and the last sampled token of every request on the device.
 3. builds the packed batch on the device (:meth:`ModelRunner.prepare_inputs`): input ids (a decode's input is
    the runner's own last sample, read on the device, so the host need not know it yet), positions, slot mapping
    (a Triton kernel on CUDA, :func:`pagedkv.kernels.compute_slot_mappings`), block tables, sequence lengths;
-4. runs transformers' own decoder (``model.base_model``) on it once, attention set to ``"pagedkv"``
-   (:mod:`pagedkv.engine.attention`), the per-step metadata passed as a forward keyword argument;
+4. runs the decoder on it once (:func:`make_decoder`): for the Llama family on a CPU the lab's own
+   (:class:`~pagedkv.engine.llama.LlamaDecoder`: fused q/k/v and gate/up products over the flattened tokens, as
+   vLLM's ``llama.py``), for other models transformers' own (``model.base_model``, attention set to
+   ``"pagedkv"``, :mod:`pagedkv.engine.attention`); both call the same paged attention with the step's metadata;
 5. applies the LM head to the last scheduled token of each request whose chunk reached its end, and to no
    other row (``compute_logits``), samples, and returns the samples without waiting for the device
    (:class:`AsyncModelRunnerOutput`).
@@ -41,6 +43,7 @@ lab (``pagedkv/engine/``)     vLLM 0.26 (``vllm/v1/worker/gpu/``)
 ``prepare_inputs``            ``model_runner.py``: ``prepare_inputs`` (``prepare_prefill_inputs``,
                               ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``)
 ``last_sampled_tokens``       ``states.py``: ``RequestState.last_sampled_tokens``
+``make_decoder``              ``ModelConfig.model_impl`` (``vllm/config/model.py``): vLLM's model or Transformers'
 ``compute_logits``            ``model_runner.py``: logits for every request (``total_num_logits = num_reqs``)
 ``Sampler``                   ``sample/sampler.py``: ``Sampler`` (Gumbel noise from a seed and position)
 ``AsyncModelRunnerOutput``    ``async_utils.py``: ``AsyncOutput``
@@ -65,7 +68,15 @@ from typing import Any
 import torch
 
 from pagedkv.block_table import make_block_table_tensor
-from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
+from pagedkv.engine.attention import (
+    ATTN_IMPLEMENTATION,
+    METADATA_KWARG,
+    AttentionMetadata,
+    make_decode_groups,
+    make_pool_decode,
+    paged_attention_forward,
+)
+from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
 
@@ -335,6 +346,51 @@ def attn_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
         config._attn_implementation = previous
 
 
+class TransformersDecoder:
+    """transformers' own decoder (``model.base_model``) over one step's flattened tokens, the attention set to
+    ``"pagedkv"`` (:mod:`pagedkv.engine.attention`) and the step's metadata passed as a forward keyword argument:
+    ``forward(input_ids [T], positions [T], metadata) -> hidden [T, H]``, as :class:`~pagedkv.engine.llama.
+    LlamaDecoder`. What the runner runs for a model the lab has no decoder of; vLLM's counterpart is its
+    Transformers backend (``vllm/model_executor/models/transformers/``, ``model_impl="transformers"``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
+        with attn_implementation(self.model, ATTN_IMPLEMENTATION):
+            out = self.model.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                        **{METADATA_KWARG: metadata}).last_hidden_state  # [1, T, H]
+        return out[0]
+
+    __call__ = forward
+
+
+def make_decoder(model: torch.nn.Module, model_impl: str = "auto") -> LlamaDecoder | TransformersDecoder:
+    """The decoder the runner runs: ``"lab"``, the lab's own (:class:`~pagedkv.engine.llama.LlamaDecoder`; a
+    ``ValueError`` naming the reason for a model it does not cover); ``"transformers"``, transformers' modules
+    (:class:`TransformersDecoder`); ``"auto"``, on a CPU the lab's where it covers the model, else transformers'.
+    On a GPU ``"auto"`` keeps transformers' modules (replayed by CUDA graphs, which remove their per-operation host
+    cost): the fused q/k/v and gate/up matrices are copies, and the memory profile that sizes the pool
+    (:mod:`pagedkv.sizing`) counts the model's parameters only. Mirrors vLLM's ``ModelConfig.model_impl``
+    (``vllm/config/model.py``: ``"auto"`` tries vLLM's own implementation and falls back to the Transformers
+    one)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if model_impl == "lab" or (model_impl == "auto" and on_cpu and unsupported_reason(model) is None):
+        return LlamaDecoder.from_hf(model)
+    return TransformersDecoder(model)
+
+
+def registered_attention() -> Callable[..., Any] | None:
+    """The function transformers' ``AttentionInterface`` holds under ``"pagedkv"`` now: the library's
+    :func:`~pagedkv.engine.attention.paged_attention_forward`, or one plugged in in its place (exercise 07's
+    ``plugged`` registers the learner's)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(ATTN_IMPLEMENTATION, None)
+
+
 class CUDAGraphRunner:
     """Decode steps captured as CUDA graphs, one per batch-size bucket, sharing one memory pool.
 
@@ -351,9 +407,11 @@ class CUDAGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_blocks: int, capture_sizes: Sequence[int],
-                 compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                 decoder: Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor] | None = None) -> None:
         self.device = kv_caches[0][0].device
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.decoder = decoder if decoder is not None else TransformersDecoder(model)  # what the graphs record
         # a weak reference: the runner holds this object, so a strong one back would be a cycle
         self._compute_logits = weakref.WeakMethod(compute_logits)
         self.capture_sizes = sorted(capture_sizes)
@@ -384,17 +442,15 @@ class CUDAGraphRunner:
     def forward(self, size: int) -> None:
         """The decoder on the buffers' first ``size`` rows, its last hidden states into ``hidden[:size]``: what a
         graph of that size records, and what its replay does again on new buffer contents."""
-        kwargs = {METADATA_KWARG: self._metadata(size)}
-        ids, pos = self.buffers.input_ids[:size][None], self.buffers.positions[:size][None]  # [1, size]
-        out = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).last_hidden_state
-        self.hidden[:size].copy_(out[0])  # [size, H]
+        out = self.decoder(self.buffers.input_ids[:size], self.buffers.positions[:size], self._metadata(size))
+        self.hidden[:size].copy_(out)  # [size, H]
 
     def capture(self) -> None:
         """Capture one graph per size (largest first), after a warm-up run of each (which compiles the kernels:
         nothing may compile or synchronise while a graph is being captured)."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        with torch.no_grad(), attn_implementation(self.model, ATTN_IMPLEMENTATION):
+        with torch.no_grad():
             for size in reversed(self.capture_sizes):
                 self.forward(size)  # warm-up
                 graph = torch.cuda.CUDAGraph()
@@ -512,11 +568,14 @@ class ModelRunner:
         input_prep: str = "device",
         slot_mapping_impl: str | None = None,
         kv_cache_config: KVCacheConfig | None = None,
+        model_impl: str = "auto",
     ) -> None:
-        """``kv_cache_config`` (lesson 8): the KV cache groups of a hybrid or sliding-window model; the runner then
-        allocates one K and one V tensor per ``KVCacheTensor`` (shared by one layer of every group: a block id
-        names the same page in each) and gives each group's layers that group's block tables. ``None``: one
-        group, every layer its own tensors, every block kept (lessons 2-7). The device block tables hold group 0's
+        """``model_impl``: which decoder runs the model (:func:`make_decoder`: the lab's Llama decoder where it
+        covers the model, else transformers' modules). ``kv_cache_config`` (lesson 8): the KV cache groups of a
+        hybrid or sliding-window model; the runner then allocates one K and one V tensor per ``KVCacheTensor``
+        (shared by one layer of every group: a block id names the same page in each) and gives each group's
+        layers that group's block tables. ``None``: one group, every layer its own tensors, every block kept
+        (lessons 2-7). The device block tables hold group 0's
         tables; the other groups' come from the scheduler output each step."""
         from pagedkv.engine.block_table import BlockTables
         from pagedkv.engine.sampler import Sampler, make_generator
@@ -525,6 +584,7 @@ class ModelRunner:
             raise ValueError(f"input_prep must be one of {INPUT_PREPS}, got {input_prep!r}")
         config = model.config
         self.model = model
+        self.decoder = make_decoder(model, model_impl)  # forward(input_ids, positions, metadata) -> [T, H]
         self.device = next(model.parameters()).device
         self.dtype = kv_cache_dtype or next(model.parameters()).dtype
         self.block_size = block_size
@@ -586,7 +646,8 @@ class ModelRunner:
         if use_cuda_graph:
             try:
                 graph_runner = CUDAGraphRunner(self.model, self.kv_caches, block_size, self.max_blocks_per_req,
-                                               cudagraph_capture_sizes(max_num_seqs), self.compute_logits)
+                                               cudagraph_capture_sizes(max_num_seqs), self.compute_logits,
+                                               self.decoder)
                 graph_runner.capture()
                 self.graph_runner = graph_runner
             except Exception as exc:  # a model whose forward cannot be captured: decode runs eagerly
@@ -777,6 +838,9 @@ class ModelRunner:
                                         dtype=torch.long, device=dev)
         window = self.group_windows[group]
         decodes = [b for b in range(b_count) if qsl[b + 1] - qsl[b] == 1]
+        # the decode rows read in place from the pool where they can be (full attention, no block shared)
+        pool = None if self.backend == "triton" or window is not None else make_pool_decode(
+            decodes, seq_lens, tables if tables.device.type == "cpu" else tables.cpu(), qsl, self.block_size)
         prefills = [(b, qsl[b], qsl[b + 1], seq_lens[b]) for b in range(b_count) if qsl[b + 1] - qsl[b] > 1]
         return AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -789,7 +853,8 @@ class ModelRunner:
             backend=self.backend,
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
-            decode_groups=None if self.backend == "triton" or not decodes else [
+            pool_decode=None if pool is None else pool.to(dev),
+            decode_groups=None if self.backend == "triton" or not decodes or pool is not None else [
                 g.to(dev) for g in make_decode_groups(decodes, seq_lens, tables, qsl, self.block_size,
                                                       sliding_window=window)
             ],
@@ -867,12 +932,13 @@ class ModelRunner:
             meta = self.build_layer_metadata(batch, so)
             for m in meta.values() if isinstance(meta, dict) else (meta,):
                 m.timings = timings  # every layer adds its attention seconds
-            with attn_implementation(self.model, ATTN_IMPLEMENTATION):
-                hidden = self.model.base_model(
-                    input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False,
-                    **{METADATA_KWARG: meta},
-                ).last_hidden_state  # [1, T, H]
-            logits = self.compute_logits(hidden[0, batch.logits_indices])  # [S, V]
+            decoder = self.decoder
+            if isinstance(decoder, LlamaDecoder) and registered_attention() is not paged_attention_forward:
+                # another attention function is registered as "pagedkv" (exercise 07 plugs the learner's): the
+                # step runs transformers' modules, which call it (the lab's decoder calls the library's directly)
+                decoder = TransformersDecoder(self.model)
+            hidden = decoder(batch.input_ids, batch.positions, meta)  # [T, H]
+            logits = self.compute_logits(hidden[batch.logits_indices])  # [S, V]
         self.last_logits = logits  # valid until the next step (compute_logits' buffer)
         t2 = time.perf_counter()
         sampled = self._sample(batch, logits)  # [S] on the device

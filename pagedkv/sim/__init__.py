@@ -8,7 +8,7 @@
 - :mod:`pagedkv.sim.baseline`: ``ContiguousKVCacheManager``, max-length contiguous reservation.
 - :mod:`pagedkv.sim.workload`: ShareGPT-shaped synthetic requests.
 - :mod:`pagedkv.sim.targets`: ``python -m pagedkv.sim.targets`` prints lesson 4's target table.
-- :mod:`pagedkv.sim.scheduling_exercise`: the pluggable scheduler and lockstep checks of exercise set 04.
+- exercise set 04's pluggable scheduler and lockstep checks are in :mod:`pagedkv.grading.lessons.l04_scheduling`.
 """
 
 from pagedkv.sim.baseline import ContiguousKVCacheManager

@@ -81,12 +81,9 @@ class BlockTableWidget(anywidget.AnyWidget):
         raw = getattr(frames, "frames", frames)  # a TraceRecorder, or the frames themselves
         views = view_frames(raw)
         n = len(views)
-        if not isinstance(frame, int) or not -n <= frame < n:
-            raise ValueError(f"frame must be an int in [{-n}, {n - 1}] for {n} frames, got {frame!r}")
-        if static_frame != "keyframes" and (not isinstance(static_frame, int) or not -n <= static_frame < n):
-            raise ValueError(
-                f'static_frame must be "keyframes" or an int in [{-n}, {n - 1}] for {n} frames, got {static_frame!r}'
-            )
+        check_int(frame, "frame", -n, n - 1, why=f"{n} frames")
+        if static_frame != "keyframes":
+            check_int(static_frame, "static_frame", -n, n - 1, why=f'{n} frames; or "keyframes"')
         check_int(static_max_frames, "static_max_frames", 1)
         if not fps > 0:
             raise ValueError(f"fps must be > 0, got {fps!r}")

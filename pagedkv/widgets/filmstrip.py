@@ -117,10 +117,8 @@ def filmstrip_svg(
         raise ValueError("picks is empty: give at least one (frame index, label)")
     n = len(views)
     for k, _ in picks:
-        if not isinstance(k, int) or not 0 <= k < n:
-            raise ValueError(f"frame index {k!r} is out of range for {n} frames")
-    if not isinstance(columns, int) or columns < 1:
-        raise ValueError(f"columns must be an int >= 1, got {columns!r}")
+        check_int(k, "frame index", 0, n - 1, why=f"{n} frames")
+    check_int(columns, "columns", 1)
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale!r}")
     pad, gap, label_h = 16, 14, 22

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.trace import EVENT_KINDS, EventTrace, TraceEvent
+from pagedkv.utils import check_int
 from pagedkv.widgets.frames import plain
 
 if TYPE_CHECKING:
@@ -53,8 +54,7 @@ class TraceRecorder:
             unknown = sorted(kinds - set(EVENT_KINDS))
             if unknown:
                 raise ValueError(f"unknown event kinds {unknown}; expected some of {sorted(EVENT_KINDS)}")
-        if not isinstance(max_frames, int) or max_frames < 1:
-            raise ValueError(f"max_frames must be an int >= 1, got {max_frames!r}")
+        check_int(max_frames, "max_frames", 1)
         self.target = target
         self.kinds: set[str] | None = kinds
         self.max_frames = max_frames
