@@ -66,8 +66,10 @@ def expect_cached(m, r, want_full, what):
     for i, b in enumerate(table):
         if i < want_full:
             if b.block_hash is None:
+                nothing = not m.num_cached_block and all(x.block_hash is None for x in m.block_pool.blocks)
                 fail(f"after {what}, block {b.block_id} (index {i} of the table of {r.request_id!r}, tokens "
-                     f"{i * m.block_size}-{(i + 1) * m.block_size - 1}) is full but not cached")
+                     f"{i * m.block_size}-{(i + 1) * m.block_size - 1}) is full but not cached"
+                     + (". Nothing is cached at all: is _cache_blocks still the stub (...)?" if nothing else ""))
             if i >= len(hashes) or b.block_hash != hashes[i]:
                 fail(f"after {what}, block {b.block_id} (index {i}) is cached under the wrong hash: it must be "
                      f"request.block_hashes[{i}]")
@@ -676,6 +678,7 @@ def check_free_blocks_order(EvictingBlockPool):
             (2, 4, 7, 8, 9, 3, 1): "cached blocks go to the tail in the order given (1 before 3)",
             (1, 3, 7, 8, 9, 2, 4): ("it is the other way round: blocks WITHOUT a hash to the head, cached ones "
                                     "to the tail"),
+            (7, 8, 9): "nothing was freed: is free_blocks still the stub (...)?",
         }
         fail(f"after free_blocks([1 (cached), 2, 3 (cached), 4]) on a free queue [7, 8, 9], the queue is {got}, "
              f"expected {want}. " + hints.get(tuple(got), "Blocks without a hash go to the head as a group, in the "
@@ -709,7 +712,9 @@ def check_free_blocks_bad_input(EvictingBlockPool):
     _call(pool, "free_blocks", [b[0]], "free_blocks([1])")
     if sorted(queue(pool)) != [1, 4, 5] or b[0].ref_cnt != 0:  # where block 1 goes is check_free_blocks_order's
         fail(f"after free_blocks([1]) the free queue holds blocks {sorted(queue(pool))} and block 1 has ref_cnt "
-             f"{b[0].ref_cnt}, expected blocks [1, 4, 5] (in any order for this case) and ref_cnt 0")
+             f"{b[0].ref_cnt}, expected blocks [1, 4, 5] (in any order for this case) and ref_cnt 0"
+             + (". Nothing changed: is free_blocks still the stub (...)?" if b[0].ref_cnt == 1 and sorted(queue(pool))
+                == [4, 5] else ""))
     for blocks, what in (([b[0]], "free_blocks([1]) when block 1 is already free"),
                          ([b[1], b[2], b[1]], "free_blocks([2, 3, 2]) when blocks 2 and 3 have ref_cnt 1"),
                          ([b[2], b[0]], "free_blocks([3, 1]) when block 1 is free")):
