@@ -3,7 +3,7 @@
     python -m pagedkv.kernels.bench                # full sweep on a GPU (<= 8 min); tiny interpreter run on a CPU
     python -m pagedkv.kernels.bench --quick        # four decode shapes, two prefill shapes, fp8: <= 2 min on a GPU
     python -m pagedkv.kernels.bench --tiny         # tiny shapes in Triton's interpreter (what CI runs)
-    python -m pagedkv.kernels.bench --out DIR      # where the JSON and the plots go
+    python -m pagedkv.kernels.bench --out DIR      # where the JSON and the plots go (default: under artifacts/)
 
 For every (dtype, batch, context) it
 
@@ -133,6 +133,16 @@ def run(
             "skipped": skipped}
 
 
+def default_out_dir(mode: str, device_name: str, date: str) -> Path:
+    """Where a run writes without ``--out``: under ``artifacts/`` of the current folder, which git ignores, so
+    that ``./lab bench`` changes no tracked file. A GPU run meant to be committed is given
+    ``--out benchmarks/results/gpu/<date>-<gpu>`` (and a README there)."""
+    if mode in ("quick", "full"):
+        suffix = "" if mode == "full" else f"-{mode}"
+        return Path("artifacts/bench_gpu") / f"{date}-{_slug(device_name)}{suffix}"
+    return Path("artifacts/bench_interpreter")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pagedkv.kernels.bench", description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()
@@ -140,8 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="four decode shapes in bf16, two prefill, fp8 (<= 2 min)")
     size.add_argument("--full", action="store_true", help="the full sweep (default with a GPU, <= 8 min)")
     p.add_argument("--out", type=Path, default=None,
-                   help="output folder (default on a GPU: benchmarks/results/gpu/<date>-<gpu>[-quick]/, to be "
-                        "committed; in the interpreter: artifacts/bench_interpreter, git-ignored)")
+                   help="output folder (default, git-ignored: artifacts/bench_gpu/<date>-<gpu>[-quick]/ on a GPU, "
+                        "artifacts/bench_interpreter in the interpreter; a GPU run to commit: --out "
+                        "benchmarks/results/gpu/<date>-<gpu>)")
     p.add_argument("--dtypes", default=None, help="comma-separated: fp16,bf16,fp32")
     p.add_argument("--no-plot", action="store_true", help="skip the PNGs")
     args = p.parse_args(argv)
@@ -171,13 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not on_gpu and "bf16" in dtypes:
         raise SystemExit("bf16 needs a GPU: Triton's interpreter has no bfloat16")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    if args.out is not None:
-        out_dir = args.out
-    elif on_gpu and not tiny:
-        suffix = "" if mode == "full" else f"-{mode}"
-        out_dir = Path("benchmarks/results/gpu") / f"{date}-{_slug(_device_name(device))}{suffix}"
-    else:
-        out_dir = Path("artifacts/bench_interpreter")
+    out_dir = args.out if args.out is not None else default_out_dir(mode, _device_name(device), date)
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "tiny-interpreter":
         print(INTERPRETER_LABEL)

@@ -142,8 +142,11 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    names = args.names or [n for n in BENCHMARKS if n not in NEEDS_OPTIONS]
     extra = getattr(args, "extra", [])
+    if not args.names and {"-h", "--help"} & set(extra):
+        print(args.bench_help(), end="")
+        return 0
+    names = args.names or [n for n in BENCHMARKS if n not in NEEDS_OPTIONS]
     if extra and len(names) != 1:
         print(f"pagedkv bench: options {extra} go to one benchmark; name exactly one (e.g. pagedkv bench engine "
               "--json out.json)", file=sys.stderr)
@@ -214,13 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     make_arg_parser(s)
     s.set_defaults(func=_cmd_serve)
 
-    r = sub.add_parser("bench", help="run benchmarks and print their tables")
+    # no -h of its own: `pagedkv bench serve --help` is the serve benchmark's help, `pagedkv bench --help` this one's
+    r = sub.add_parser("bench", help="run benchmarks and print their tables", add_help=False)
     r.add_argument(
         "names", nargs="*", metavar="NAME",
         help=f"benchmarks to run (default: all of {sorted(BENCHMARKS)}); options after one name go to that "
-        "benchmark (pagedkv bench engine --json out.json)",
+        "benchmark (pagedkv bench engine --json out.json; pagedkv bench serve --help lists the serve benchmark's)",
     )
-    r.set_defaults(func=_cmd_bench)
+    r.set_defaults(func=_cmd_bench, bench_help=r.format_help)
     return parser
 
 

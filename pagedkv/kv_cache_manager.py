@@ -119,8 +119,7 @@ class KVCacheManager:
             self._init_groups(num_blocks, block_size, enable_caching, hash_fn, max_model_len, max_in_flight_tokens)
             self._sync_pool_events()
             return
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
+        block_size = check_int(block_size, "block_size", 1)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_fn)

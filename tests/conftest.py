@@ -15,6 +15,12 @@ from hypothesis import settings
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _ROOT]
 
+# nbformat imports jsonschema, which builds a grammar for IRI strings with lark when `rfc3987_syntax` is
+# installed (JupyterLab's jupyter-events brings it): about 2.5 CPU-seconds in every test process, each xdist
+# worker included, for a format ("iri") that no notebook schema uses. A None entry makes that optional import
+# fail, so jsonschema leaves the "iri" format unchecked; notebook validation is the same.
+sys.modules.setdefault("rfc3987_syntax", None)
+
 # No per-example deadline anywhere: CI machines are shared, and a slow example is not a wrong one.
 settings.register_profile("lab", deadline=None)
 settings.load_profile("lab")

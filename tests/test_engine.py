@@ -268,6 +268,11 @@ def test_sampling_params_follow_vllm():
             SamplingParams(temperature=bad)
 
 
+def test_greedy_ties_take_the_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
+    assert Sampler().sample(logits, [GREEDY, GREEDY], [None, None]).tolist() == [1, 0]  # as torch.argmax
+
+
 def test_sampler_top_k_and_top_p_limits():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
@@ -429,7 +434,8 @@ def test_bench_roof_flops_and_time_split(tmp_path):
     from pagedkv.benchmarks import engine as bench
 
     path = tmp_path / "engine.json"
-    assert bench.main(["--tiny", "--runs", "2", "--impls", "hf_static_batch", "pagedkv", "--json", str(path)]) == 0
+    assert bench.main(["--tiny", "--runs", "2", "--impls", "hf_static_batch", "pagedkv_transformers", "pagedkv",
+                       "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     cfg = bench.BenchConfig(**{k: result["config"][k] for k in bench.BenchConfig.__dataclass_fields__})
     lens = [len(p) for p in bench.make_prompts(cfg)]
@@ -446,9 +452,11 @@ def test_bench_roof_flops_and_time_split(tmp_path):
             assert r["flops"] == bench.count_flops(cfg, lens, r["generated_tokens"])["total"]
             assert r["gflops"] == pytest.approx(r["flops"] / r["seconds"] / 1e9)
             assert r["pct_of_roof"] == pytest.approx(r["gflops"] / roof["gflops"])
-        split = next(r for r in run["rows"] if r["impl"] == "pagedkv")["time_split"]
-        assert list(split) == list(bench.SPLIT) and sum(split.values()) == pytest.approx(1.0)
-        assert all(v >= 0 for v in split.values()) and split["attention"] > 0
+        assert all(r["match"] == 1.0 for r in run["rows"])  # the engine on either decoder: the same tokens
+        for impl in ("pagedkv", "pagedkv_transformers"):
+            split = next(r for r in run["rows"] if r["impl"] == impl)["time_split"]
+            assert list(split) == list(bench.SPLIT) and sum(split.values()) == pytest.approx(1.0)
+            assert all(v >= 0 for v in split.values()) and split["attention"] > 0
     # counted by hand: 2 prompts of 3 tokens, 2 new each -> positions 0..3 of each
     tiny = bench.BenchConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                              intermediate_size=16, vocab_size=10, max_new_tokens=2)

@@ -82,3 +82,34 @@ def test_covered_families_and_bad_choices():
         make_decoder(model, "vllm")
     with pytest.raises(ValueError, match="model_impl must be one of"):
         LLM(tiny_model("llama"), num_gpu_blocks=8, model_impl="fast")
+
+
+def test_an_attention_plugged_in_as_pagedkv_is_the_one_called():
+    """Exercise 07 registers the learner's attention under ``"pagedkv"`` (``plugged``): the engine then runs
+    transformers' modules, which call it, not the lab's decoder, which would call the library's."""
+    from pagedkv.engine.attention import paged_attention_forward
+    from pagedkv.grading.lessons.l07_serving_engine import plugged, tiny_llama
+
+    model = tiny_llama(1)
+    prompts = [[5, 9, 14, 3], [7, 7, 2, 11, 30, 4]]
+    llm = LLM(model, num_gpu_blocks=12, block_size=4, max_num_batched_tokens=8)
+    assert isinstance(llm.runner.decoder, LlamaDecoder)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    calls = []
+
+    def counted(layer, query, key, value, attention_mask, scaling=None, **kwargs):
+        calls.append(layer.layer_idx)
+        return paged_attention_forward(layer, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    with plugged(attention=counted):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert calls and got == want
+
+    def wrong(layer, query, key, value, attention_mask, scaling=None, **kwargs):
+        return torch.zeros_like(query).transpose(1, 2), None  # attends to nothing
+
+    with plugged(attention=wrong):
+        bad = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert bad != want
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want  # restored

@@ -126,13 +126,6 @@ WRONG = [
         "appendleft(block 3)",
     ),
     (
-        "subclass_library",
-        "free_queue",
-        "class FreeQueue:",
-        ("from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue\nclass FreeQueue(FreeKVCacheBlockQueue):"),
-        "subclasses the library",
-    ),
-    (
         "uncached_to_tail",
         "pool_alloc_free",
         "                to_head.append(block)",
@@ -183,17 +176,6 @@ WRONG = [
         "        block.ref_cnt = 1\n",
         "",
         "ref_cnt",
-    ),
-    (
-        "calls_library",
-        "pool_alloc_free",
-        ("    # BEGIN SOLUTION\n    if not isinstance(num_blocks, int)"),
-        (
-            "    # BEGIN SOLUTION\n"
-            "    return BlockPool.get_new_blocks(pool, num_blocks)\n"
-            "    if not isinstance(num_blocks, int)"
-        ),
-        "calls the library",
     ),
     (
         "floor",

@@ -32,7 +32,7 @@ def test_the_source_has_every_question_with_public_and_hidden_tests() -> None:
 
 def test_solution_passes_every_test() -> None:
     results = _grade({})
-    assert len(results) == 15
+    assert len(results) == 16  # set 03's lookup and caching are two hidden cases
     failed = [(q, msg) for q, _, ok, msg in results if not ok]
     assert not failed, failed
 
@@ -53,6 +53,8 @@ def test_one_question_solved_scores_only_that_question() -> None:
 
 # (id, question, text in the solution, replaced by, a phrase the learner must see in the first public failure)
 # fmt: off
+# (An answer that calls the library's own answer passes here, in-process, where the library is whole; under
+# ``pagedkv grade`` it scores 0 with the stub's message: tests/test_grading_hidden.py.)
 WRONG = [
     # 1. the hash chain
     ("partial_block_hashed", "hash_chain", "range(len(token_ids) // block_size)",
@@ -63,10 +65,6 @@ WRONG = [
     ("ignores_extra_keys", "hash_chain", "hash_fn((parent, block, extra_keys))", "hash_fn((parent, block, None))",
      "extra_keys is part of every block's key"),
     ("hard_coded", "hash_chain", "    if block_size < 1:", "    return []\n    if block_size < 1:", "expected 2"),
-    ("calls_library", "hash_chain", "    if block_size < 1:",
-     "    from pagedkv.kv_cache_utils import hash_request_tokens\n"
-     "    return hash_request_tokens(hash_fn, block_size, token_ids, extra_keys)\n    if block_size < 1:",
-     "calls the library's hash_request_tokens"),
     # 2. lookup and caching
     ("full_hit_not_cut", "prefix_lookup", "(request.num_tokens - 1) // self.block_size",
      "request.num_tokens // self.block_size", "a full hit is cut back by one block"),
@@ -82,8 +80,6 @@ WRONG = [
      "request.prompt_token_ids)[:max_hit_blocks]:", "its outputs included"),
     ("no_stats", "prefix_lookup", "self.prefix_cache_stats.queries += request.num_tokens", "pass",
      "queries is 0"),
-    ("super_lookup", "prefix_lookup", "        if not self.enable_caching:\n            return [], 0\n        update",
-     "        return super().get_computed_blocks(request)\n        update", "called the library's"),
     ("caches_partial_block", "prefix_lookup", "num_full = num_tokens // self.block_size",
      "num_full = -(-num_tokens // self.block_size)", "a partly filled block is never cached"),
     ("caches_past_the_computed_tokens", "prefix_lookup", "num_full = num_tokens // self.block_size",
@@ -123,9 +119,6 @@ WRONG = [
      "                del self.cached_block_hash_to_block[block.block_hash]", "remove only the evicted block"),
     ("no_eviction_count", "eviction_on_reuse", "                self.num_evictions += 1\n", "",
      "num_evictions is 0"),
-    ("super_free_blocks", "eviction_on_reuse", "        blocks = list(ordered_blocks)\n        times",
-     "        return super().free_blocks(ordered_blocks)\n        blocks = list(ordered_blocks)\n        times",
-     "called the library's BlockPool.free_blocks"),
     # 4. copy-on-write
     ("written_in_place", "copy_on_write", "        if src.ref_cnt > 1:", "        if False:",
      "must be copied"),
@@ -138,7 +131,7 @@ WRONG = [
     ("copies_an_empty_block", "copy_on_write", "            if i * bs < request.num_computed_tokens:\n",
      "            if True:\n", "nothing to copy"),
     ("never_records_the_copy", "copy_on_write", "            if i * bs < request.num_computed_tokens:\n",
-     "            if False:\n", "reads back token"),
+     "            if False:\n", "in manager.pending_copies"),
     ("only_the_first_block_written", "copy_on_write", "    for i in range(first, last):",
      "    for i in range(first, min(last, first + 1)):", "needs a private block"),
 ]

@@ -40,3 +40,12 @@ def test_a_plausible_mistake_is_named(question: str, old: str, new: str, named: 
     assert not all(ok for q, _, ok, _ in results if q == question)
     assert all(ok for q, _, ok, _ in results if q != question), "a mistake costs points in its own exercise only"
     assert named in _first_failure(question, answer)
+
+
+def test_the_untouched_stub_gets_the_stub_message_only() -> None:
+    """The stub returns None; every case's message said so and then gave the search-window hint (the mistake that
+    also returns None on that case), pointing a learner who has not started at a bug they do not have."""
+    stub = NB.solutions["check_stop_strings"].split('"""', 2)
+    stub = stub[0] + '"""' + stub[1] + '"""\n    ...\n'
+    for _, _, ok, message in NB.grade({"check_stop_strings": stub}, only={"check_stop_strings"}):
+        assert not ok and "still the stub" in message and "Hint" not in message, message

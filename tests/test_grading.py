@@ -1101,33 +1101,6 @@ def test_every_exercise_hides_its_lessons_checks():
 
 
 @pytest.mark.slow
-def test_private_twins_of_the_reference_are_hidden_too(tmp_path):
-    """Set 05: the library keeps private twins of the graded functions (``kv_cache_utils._num_gpu_blocks``) for
-    its own callers. A learner's function that returns the twin's answer scores what the untouched stub scores."""
-    from pagedkv.grading import sandbox
-
-    questions = {q.name: q for q in worker.load_tests(ROOT / "grading" / "autograder" / "05_sizing_the_pool.zip")}
-    assert "pagedkv.sizing.kv_cache_utils._num_gpu_blocks" in questions["num_gpu_blocks"].reference
-    assert "pagedkv.sizing.gpu_worker._analytic_profile" in questions["predict_num_gpu_blocks"].reference
-    sandbox.copy_library(tmp_path / "copy", questions["num_gpu_blocks"].reference)
-    text = (tmp_path / "copy" / "pagedkv" / "sizing" / "kv_cache_utils.py").read_text()
-    assert "'pagedkv.sizing.kv_cache_utils._num_gpu_blocks' + ' is not available while grading" in text
-
-    scores = grade_variant(tmp_path, "05_sizing_the_pool", {
-        "num_gpu_blocks": "def num_gpu_blocks(*args):\n    from pagedkv.sizing.kv_cache_utils import _num_gpu_blocks\n"
-                          "    return _num_gpu_blocks(*args)\n",
-        "predict_num_gpu_blocks": (
-            "def predict_num_gpu_blocks(config, weights_bytes, max_num_batched_tokens, total_memory,\n"
-            "                           gpu_memory_utilization=0.92, block_size=16, kv_cache_dtype='auto'):\n"
-            "    from pagedkv.sizing.gpu_worker import _analytic_profile\n"
-            "    return _analytic_profile(config, max_num_batched_tokens, block_size=block_size,\n"
-            "        kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,\n"
-            "        weights_memory=weights_bytes, total_memory=total_memory).num_gpu_blocks\n"),
-    })
-    assert scores["num_gpu_blocks"] == 0 and scores["predict_num_gpu_blocks"] == 0, scores
-
-
-@pytest.mark.slow
 def test_the_engines_cache_write_is_hidden_with_the_attention_answer(tmp_path):
     """Set 07: writing the cache is half of ``paged_attention``; the engine's own ``write_kv_torch`` is hidden
     with it (attending through ``ref_paged_prefill_attention`` is what the exercise suggests)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -317,6 +318,13 @@ def test_free_queue_order_after_shared_prefix_requests_and_eviction_order():
     assert [b.block_id for b in m.allocate_slots(r3, 160, hits)] == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     q = m.block_pool.free_block_queue
     assert q.num_free_blocks == 0 and q.fake_free_list_head.next_free_block is q.fake_free_list_tail
+
+
+@pytest.mark.parametrize("block_size", [True, False, 0, -4, 4.0, "4", None])
+def test_constructor_refuses_a_block_size_that_is_not_a_positive_int(block_size):
+    """``True`` is an ``int`` to Python: the shared validator (``check_int``) refuses bools with its message."""
+    with pytest.raises(ValueError, match=rf"^block_size must be an int >= 1, got {re.escape(repr(block_size))}$"):
+        KVCacheManager(8, block_size)
 
 
 def test_allocate_slots_refuses_a_bool_token_count_and_changes_nothing():

@@ -7,7 +7,9 @@ Run it: ``python -m pagedkv.benchmarks.engine [--json FILE] [--plot FILE] [--tin
   holds at the batch's padded length;
 - ``hf_generate_batch``: transformers' continuous batching (``model.generate_batch``, its own paged cache,
   ``num_blocks`` from the budget);
-- ``pagedkv``: this lab's engine (``pagedkv.engine.LLM``, ``num_gpu_blocks`` from the budget).
+- ``pagedkv``: this lab's engine (``pagedkv.engine.LLM``, ``num_gpu_blocks`` from the budget), on a CPU on its own
+  Llama decoder (``pagedkv.engine.llama``); opt-in with ``--impls``: ``pagedkv_transformers``, the same engine on
+  transformers' modules (``model_impl="transformers"``), and ``pagedkv_sync``, the sync loop.
 
 Greedy decoding, no EOS (every request makes exactly ``max_new_tokens``), so the outputs are comparable token
 for token: ``match`` is the share of prompts whose tokens equal ``hf_generate``'s. ``tokens_per_s`` counts
@@ -289,15 +291,17 @@ def run_hf_generate_batch(model, prompts, cfg: BenchConfig, budget: int) -> list
     return [by_index[i] for i in range(len(prompts))]
 
 
-def make_pagedkv(model, cfg: BenchConfig, budget: int, async_scheduling: bool = True):
+def make_pagedkv(model, cfg: BenchConfig, budget: int, async_scheduling: bool = True, model_impl: str = "auto"):
     """The engine, built once before the clock starts (its KV pool, and on a GPU its CUDA graphs), as
     ``vllm bench throughput`` builds its ``LLM`` before timing ``generate``. Async scheduling, vLLM 0.26's
-    default, unless ``async_scheduling=False`` (``pagedkv_sync``: the sync loop, for comparison)."""
+    default, unless ``async_scheduling=False`` (``pagedkv_sync``: the sync loop, for comparison); on a CPU the
+    lab's own Llama decoder unless ``model_impl="transformers"`` (``pagedkv_transformers``: transformers' modules with
+    the lab's attention, the engine as it was before it had its own model code)."""
     from pagedkv.engine import LLM
 
     return LLM(model, block_size=cfg.block_size, num_gpu_blocks=budget // cfg.block_size + 1,
                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=4096, seed=cfg.seed,
-               async_scheduling=async_scheduling)
+               async_scheduling=async_scheduling, model_impl=model_impl)
 
 
 def step_times(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -345,10 +349,13 @@ RUNNERS = {
     "hf_generate_batch": run_hf_generate_batch,
     "pagedkv": run_pagedkv,
     "pagedkv_sync": run_pagedkv,  # opt-in (--impls): the same engine with async_scheduling=False
+    "pagedkv_transformers": run_pagedkv,  # opt-in (--impls): the same engine on transformers' modules
 }
 #: Implementations with a set-up step kept out of the timing; its seconds are reported as ``setup_seconds``.
 SETUPS = {"pagedkv": make_pagedkv,
-          "pagedkv_sync": lambda model, cfg, budget: make_pagedkv(model, cfg, budget, async_scheduling=False)}
+          "pagedkv_sync": lambda model, cfg, budget: make_pagedkv(model, cfg, budget, async_scheduling=False),
+          "pagedkv_transformers": lambda model, cfg, budget: make_pagedkv(model, cfg, budget,
+                                                                          model_impl="transformers")}
 
 
 @contextlib.contextmanager
@@ -594,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="the seconds-long configuration the tests run")
     size.add_argument("--gpu", action="store_true", help="the prepared GPU run (~1B Llama shape, bf16, CUDA)")
-    parser.add_argument("--impls", nargs="+", choices=sorted(RUNNERS), help="run only these (pagedkv_sync: opt-in)")
+    parser.add_argument("--impls", nargs="+", choices=sorted(RUNNERS),
+                        help="run only these (pagedkv_sync, pagedkv_transformers: opt-in)")
     parser.add_argument("--threads", type=int, help="torch threads on a CPU (default 1; 0: torch's default)")
     parser.add_argument("--vocab", type=int, metavar="N", help="the model's vocabulary size (default: the size's own)")
     parser.add_argument("--runs", type=int, metavar="N",

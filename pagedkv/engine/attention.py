@@ -55,6 +55,8 @@ class AttentionMetadata:
     decode_version: int | None = None  # the Triton decode kernel for decode-only steps (None: its choice)
     # The torch backend's decode groups, built once per step (None: one group of all of decode_req_idx)
     decode_groups: list[DecodeGroup] | None = None
+    # The torch backend's decode rows read in place from the pool (None: through decode_groups' gathers)
+    pool_decode: PoolDecode | None = None
     # The KV cache group's window when it releases the blocks behind it (a SlidingWindowSpec group: those table
     # entries are the null block), else None: the layer's own window, if any, is then only a mask
     sliding_window: int | None = None
@@ -145,6 +147,105 @@ def make_decode_groups(
     return groups
 
 
+@dataclass
+class PoolDecode:
+    """A step's decode rows attended to in place, reading the pool's blocks ``lo .. hi-1`` where they lie.
+
+    Every block in that range belongs to at most one decode row (``owner``; ``Bd``: none) at column ``col`` of
+    its table. A layer multiplies the queries with every block of the range in one batched product, spreads the
+    scores into a ``[Bd, Hq, W·bs]`` row per request for the softmax, and multiplies back: K and V are read
+    once, not copied out first. Built once per step by :func:`make_pool_decode`; every layer reuses it."""
+
+    tokens: torch.Tensor  # [Bd] int64: the packed index of each decode row's one new token
+    lo: int
+    hi: int  # the pool's blocks lo .. hi-1 (a slice: no copy)
+    owner: torch.Tensor  # [hi - lo] int64: the decode row that owns the block (Bd: none)
+    col: torch.Tensor  # [hi - lo] int64: the block's column in its row's table (0 for none)
+    width: int  # W: blocks of the longest decode row
+    mask: torch.Tensor  # [Bd, 1, W·bs] float: 0 where the row's query sees the slot, -inf elsewhere
+
+    def to(self, device: torch.device | str) -> PoolDecode:
+        """The same step with its tensors on ``device``."""
+        return PoolDecode(self.tokens.to(device), self.lo, self.hi, self.owner.to(device), self.col.to(device),
+                          self.width, self.mask.to(device))
+
+
+def make_pool_decode(
+    decode_req_idx: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,  # [B, max_blocks] int32 (host)
+    query_start_loc: list[int],
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    max_spread: float = 2.0,
+) -> PoolDecode | None:
+    """The :class:`PoolDecode` of a step's decode rows, or ``None`` where reading in place does not pay or does
+    not apply: no decode row, a block in two rows' tables (a shared prefix: one block, two queries), or the
+    rows' blocks spread over more than ``max_spread`` times their number of pool blocks (the range would read
+    mostly other requests' blocks)."""
+    if not decode_req_idx:
+        return None
+    rows_idx = torch.tensor(decode_req_idx)
+    lens = torch.tensor([seq_lens[b] for b in decode_req_idx])  # [Bd]
+    nblk = -(-lens // block_size)  # [Bd]
+    width = int(nblk.max())
+    if width > block_tables.shape[1]:
+        return None
+    rows = block_tables[rows_idx, :width].long()  # [Bd, W]
+    cols = torch.arange(width)
+    used = cols[None, :] < nblk[:, None]  # [Bd, W]
+    ids = rows[used]  # [P] every block a decode row reads
+    lo, hi = int(ids.min()), int(ids.max()) + 1
+    if hi - lo > max_spread * ids.numel() or int(torch.bincount(ids - lo).max()) > 1:
+        return None
+    bd = len(decode_req_idx)
+    owner = torch.full((hi - lo,), bd, dtype=torch.long)
+    owner[ids - lo] = torch.arange(bd)[:, None].expand(bd, width)[used]
+    col = torch.zeros(hi - lo, dtype=torch.long)
+    col[ids - lo] = cols[None, :].expand(bd, width)[used]
+    slots = torch.arange(width * block_size)
+    mask = torch.zeros(bd, 1, width * block_size, dtype=dtype)
+    mask.masked_fill_((slots[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+    tokens = torch.tensor([query_start_loc[b] for b in decode_req_idx])
+    return PoolDecode(tokens, lo, hi, owner, col, width, mask)
+
+
+def pool_decode_attention(
+    query: torch.Tensor,  # [Bd, Hq, D]: the decode rows' queries
+    key_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    value_cache: torch.Tensor,
+    pd: PoolDecode,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention read in place from the pool; returns ``[Bd, Hq, D]``.
+
+    A block ``[bs, Hkv·D]`` is contiguous in the pool, so all blocks ``lo .. hi-1`` are one batch of matrices for
+    ``torch.bmm`` without a copy. Grouped-query heads share the product through a block-diagonal query: query
+    head ``h·G + g`` holds its ``D`` values in KV head ``h``'s columns and zeros elsewhere (``[Hq, Hkv·D]``), so
+    one product ``[Hq, Hkv·D] x [Hkv·D, bs]`` gives every head's scores over the block (``Hkv`` times the
+    multiply-adds, which are not what decode attention waits for: the bytes of K and V are). The same for
+    ``P·V``, whose block-diagonal part is kept. Each block is multiplied with its owner's query (a block owned by
+    none, with zeros, and dropped). The softmax runs per request over its blocks, laid side by side."""
+    bd, hq, d = query.shape
+    bs, hkv = key_cache.shape[1], key_cache.shape[2]
+    g = hq // hkv
+    n, w = pd.hi - pd.lo, pd.width
+    qd = query.new_zeros(bd + 1, hkv, g, hkv, d)  # row bd: the zero query of unowned blocks
+    qd[:bd].diagonal(dim1=1, dim2=3).copy_(query.view(bd, hkv, g, d).permute(0, 2, 3, 1))
+    q_blk = qd.view(bd + 1, hq, hkv * d).index_select(0, pd.owner)  # [n, Hq, Hkv·D]
+    k = key_cache[pd.lo : pd.hi].view(n, bs, hkv * d)  # [n, bs, Hkv·D], in place
+    scores = torch.bmm(q_blk.float(), k.float().transpose(1, 2))  # [n, Hq, bs]
+    rows = scores.new_zeros(bd + 1, hq, w, bs)  # row bd: where unowned blocks' scores go
+    rows[pd.owner, :, pd.col] = scores
+    probs = torch.softmax(rows[:bd].view(bd, hq, w * bs).mul_(scale).add_(pd.mask), dim=-1)  # [Bd, Hq, W·bs]
+    p_blk = probs.view(bd, hq, w, bs)[pd.owner.clamp(max=bd - 1), :, pd.col]  # [n, Hq, bs]
+    v = value_cache[pd.lo : pd.hi].view(n, bs, hkv * d)
+    out_blk = torch.bmm(p_blk, v.float())  # [n, Hq, Hkv·D]
+    out = out_blk.new_zeros(bd + 1, hq, hkv * d).index_add_(0, pd.owner, out_blk)[:bd]  # summed over blocks
+    out = out.view(bd, hkv, g, hkv, d).diagonal(dim1=1, dim2=3)  # [Bd, G, D, Hkv]: each head's own KV head
+    return out.permute(0, 3, 1, 2).reshape(bd, hq, d).to(query.dtype)
+
+
 def write_kv_torch(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -203,8 +304,10 @@ def torch_paged_attention(
 ) -> torch.Tensor:
     """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
 
-    Decode requests (one new token) are done in a few groups of similar length: a group's blocks are gathered
-    through the block table into a padded ``[Bg, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``.
+    Decode requests (one new token) are read in place from the pool when the step's metadata allows it
+    (``pool_decode``, :func:`pool_decode_attention`: no block shared between two decode rows, full attention);
+    otherwise they are done in a few groups of similar length: a group's blocks are gathered through the block
+    table into a padded ``[Bg, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``.
     Each prefill chunk is done alone, its keys gathered the same way, with a causal mask offset by its cached
     prefix. Under a ``sliding_window`` of ``W`` a query at position ``p`` sees keys ``p - W + 1 .. p`` only, and
     a prefill chunk gathers no block wholly behind its first query's window (such blocks may be the null block).
@@ -214,7 +317,12 @@ def torch_paged_attention(
     bs = key_cache.shape[1]
     hq, hkv, d = query.shape[1], key_cache.shape[2], key_cache.shape[3]
     groups = meta.decode_groups
-    if groups is None and meta.decode_req_idx is not None and meta.decode_req_idx.numel():
+    pd = meta.pool_decode
+    if pd is not None and sliding_window is None:  # the decode rows, in place
+        q = query.index_select(0, pd.tokens)  # [Bd, Hq, D]
+        out.index_copy_(0, pd.tokens, pool_decode_attention(q, key_cache, value_cache, pd, scale))
+        groups = []
+    elif groups is None and meta.decode_req_idx is not None and meta.decode_req_idx.numel():
         groups = make_decode_groups(meta.decode_req_idx.tolist(), meta.seq_lens.tolist(), meta.block_tables.cpu(),
                                     meta.query_start_loc.tolist(), bs, max_groups=1,
                                     sliding_window=meta.sliding_window)

@@ -2,8 +2,8 @@
 
 Transformers' ``LlamaModel`` is written for one request at a time, batch-first, with every projection its own
 matrix product and every norm, rotary embedding and residual add its own handful of small operations, each a
-Python module call. On a CPU at the engine's step sizes (64 decode rows of 256 features) those calls cost more
-than the matrix products. vLLM does not run transformers' modules for the models it knows: it has its own model
+Python module call. On a CPU at the engine's step sizes (64 decode rows of 256 features) those calls cost about
+as much as the matrix products. vLLM does not run transformers' modules for the models it knows: it has its own model
 code (``vllm/model_executor/models/llama.py``), written for the flattened tokens of a step, and so has this
 module, for the architectures whose decoder layer is Llama's (:data:`ARCHITECTURES`):
 
@@ -34,7 +34,8 @@ matrix products differ, one over the fused columns where transformers makes thre
 up). A fused product computes every output element as the same dot product, but the BLAS library may block the
 reduction differently for a wider matrix, so logits can differ in the last bits; greedy tokens are tested
 against ``generate`` as before. Any other model (Qwen3's q/k norms, Gemma 3, OLMo 3, a tensor-parallel shard)
-runs transformers' modules with the lab's attention plugged in (``model_impl="transformers"``).
+runs transformers' modules with the lab's attention plugged in (``model_impl="transformers"``), and so does a
+model on a GPU unless ``model_impl="lab"`` (:func:`pagedkv.engine.model_runner.make_decoder` says why).
 """
 
 from __future__ import annotations

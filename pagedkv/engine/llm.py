@@ -139,9 +139,9 @@ class LLM:
     ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`).
     ``async_scheduling`` (default ``True``, vLLM 0.26's for these models): an ``AsyncScheduler`` and
     ``EngineCore.step_with_batch_queue``; ``False``: the plain ``Scheduler`` and ``EngineCore.step``.
-    ``model_impl`` (vLLM's ``--model-impl``): ``"auto"`` runs the lab's own decoder for the Llama family
-    (:mod:`pagedkv.engine.llama`) and transformers' modules for the rest; ``"lab"`` or ``"transformers"`` force
-    one (the one-process engine; tensor-parallel ranks run transformers' sharded modules).
+    ``model_impl`` (vLLM's ``--model-impl``): ``"auto"`` runs the lab's own decoder for the Llama family on a
+    CPU (:mod:`pagedkv.engine.llama`) and transformers' modules for the rest and on a GPU; ``"lab"`` or
+    ``"transformers"`` force one (the one-process engine; tensor-parallel ranks run transformers' sharded modules).
     Parts: ``scheduler``, ``kv_cache_manager``, ``runner`` (the ``ModelRunner``), ``model_executor``
     (``UniProcExecutor``), ``engine_core``. Mirrors ``vllm.LLM``.
     """

@@ -14,7 +14,7 @@ tables on the device, and the last sampled token of every request on the device.
 3. builds the packed batch on the device (:meth:`ModelRunner.prepare_inputs`): input ids (a decode's input is
    the runner's own last sample, read on the device, so the host need not know it yet), positions, slot mapping
    (a Triton kernel on CUDA, :func:`pagedkv.kernels.compute_slot_mappings`), block tables, sequence lengths;
-4. runs the decoder on it once (:func:`make_decoder`): for the Llama family the lab's own
+4. runs the decoder on it once (:func:`make_decoder`): for the Llama family on a CPU the lab's own
    (:class:`~pagedkv.engine.llama.LlamaDecoder`: fused q/k/v and gate/up products over the flattened tokens, as
    vLLM's ``llama.py``), for other models transformers' own (``model.base_model``, attention set to
    ``"pagedkv"``, :mod:`pagedkv.engine.attention`); both call the same paged attention with the step's metadata;
@@ -68,7 +68,14 @@ from typing import Any
 import torch
 
 from pagedkv.block_table import make_block_table_tensor
-from pagedkv.engine.attention import ATTN_IMPLEMENTATION, METADATA_KWARG, AttentionMetadata, make_decode_groups
+from pagedkv.engine.attention import (
+    ATTN_IMPLEMENTATION,
+    METADATA_KWARG,
+    AttentionMetadata,
+    make_decode_groups,
+    make_pool_decode,
+    paged_attention_forward,
+)
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
@@ -361,14 +368,27 @@ class TransformersDecoder:
 def make_decoder(model: torch.nn.Module, model_impl: str = "auto") -> LlamaDecoder | TransformersDecoder:
     """The decoder the runner runs: ``"lab"``, the lab's own (:class:`~pagedkv.engine.llama.LlamaDecoder`; a
     ``ValueError`` naming the reason for a model it does not cover); ``"transformers"``, transformers' modules
-    (:class:`TransformersDecoder`); ``"auto"``, the lab's where it covers the model, else transformers'. Mirrors
-    vLLM's ``ModelConfig.model_impl`` (``vllm/config/model.py``: ``"auto"`` tries vLLM's own implementation and
-    falls back to the Transformers one)."""
+    (:class:`TransformersDecoder`); ``"auto"``, on a CPU the lab's where it covers the model, else transformers'.
+    On a GPU ``"auto"`` keeps transformers' modules (replayed by CUDA graphs, which remove their per-operation host
+    cost): the fused q/k/v and gate/up matrices are copies, and the memory profile that sizes the pool
+    (:mod:`pagedkv.sizing`) counts the model's parameters only. Mirrors vLLM's ``ModelConfig.model_impl``
+    (``vllm/config/model.py``: ``"auto"`` tries vLLM's own implementation and falls back to the Transformers
+    one)."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
-    if model_impl == "lab" or (model_impl == "auto" and unsupported_reason(model) is None):
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if model_impl == "lab" or (model_impl == "auto" and on_cpu and unsupported_reason(model) is None):
         return LlamaDecoder.from_hf(model)
     return TransformersDecoder(model)
+
+
+def registered_attention() -> Callable[..., Any] | None:
+    """The function transformers' ``AttentionInterface`` holds under ``"pagedkv"`` now: the library's
+    :func:`~pagedkv.engine.attention.paged_attention_forward`, or one plugged in in its place (exercise 07's
+    ``plugged`` registers the learner's)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(ATTN_IMPLEMENTATION, None)
 
 
 class CUDAGraphRunner:
@@ -818,6 +838,9 @@ class ModelRunner:
                                         dtype=torch.long, device=dev)
         window = self.group_windows[group]
         decodes = [b for b in range(b_count) if qsl[b + 1] - qsl[b] == 1]
+        # the decode rows read in place from the pool where they can be (full attention, no block shared)
+        pool = None if self.backend == "triton" or window is not None else make_pool_decode(
+            decodes, seq_lens, tables if tables.device.type == "cpu" else tables.cpu(), qsl, self.block_size)
         prefills = [(b, qsl[b], qsl[b + 1], seq_lens[b]) for b in range(b_count) if qsl[b + 1] - qsl[b] > 1]
         return AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -830,7 +853,8 @@ class ModelRunner:
             backend=self.backend,
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
-            decode_groups=None if self.backend == "triton" or not decodes else [
+            pool_decode=None if pool is None else pool.to(dev),
+            decode_groups=None if self.backend == "triton" or not decodes or pool is not None else [
                 g.to(dev) for g in make_decode_groups(decodes, seq_lens, tables, qsl, self.block_size,
                                                       sliding_window=window)
             ],
@@ -908,7 +932,12 @@ class ModelRunner:
             meta = self.build_layer_metadata(batch, so)
             for m in meta.values() if isinstance(meta, dict) else (meta,):
                 m.timings = timings  # every layer adds its attention seconds
-            hidden = self.decoder(batch.input_ids, batch.positions, meta)  # [T, H]
+            decoder = self.decoder
+            if isinstance(decoder, LlamaDecoder) and registered_attention() is not paged_attention_forward:
+                # another attention function is registered as "pagedkv" (exercise 07 plugs the learner's): the
+                # step runs transformers' modules, which call it (the lab's decoder calls the library's directly)
+                decoder = TransformersDecoder(self.model)
+            hidden = decoder(batch.input_ids, batch.positions, meta)  # [T, H]
             logits = self.compute_logits(hidden[batch.logits_indices])  # [S, V]
         self.last_logits = logits  # valid until the next step (compute_logits' buffer)
         t2 = time.perf_counter()

@@ -43,7 +43,7 @@ from pathlib import Path
 from pagedkv.grading.limits import Limits
 
 __all__ = ["INSTALL_HINT", "Cgroup", "Sandbox", "bwrap_problem", "close_all", "copy_library", "expand_classes",
-           "isolation_summary", "lesson_checks", "stub_symbols", "with_private_twins"]
+           "hidden_message", "isolation_summary", "lesson_checks", "stub_symbols"]
 
 def expand_classes(symbols: Iterable[str]) -> list[str]:
     """``symbols`` with each class among them replaced by the functions its own body defines
@@ -67,35 +67,30 @@ def expand_classes(symbols: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def with_private_twins(symbols: Iterable[str]) -> list[str]:
-    """``symbols`` plus, for each module-level function among them, its private twin where the module has one
-    (``pagedkv.sizing.kv_cache_utils.num_gpu_blocks`` -> ``..._num_gpu_blocks``): the library's own callers use the
-    twin so that hiding the public answer leaves them working, and a learner's function must not reach the
-    answer through it either. Hidden like the answer, the twin breaks only library calls no check needs (a
-    notebook cell that fails with "not available while grading" is not reported)."""
-    import importlib
+def _names_used(obj: object) -> set[str]:
+    """The global names a function (or each method of a class) uses, nested functions included."""
     import inspect
 
-    out = list(symbols)
-    for symbol in list(out):
-        module_name, _, name = symbol.rpartition(".")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # a class method, or a misspelt name: reported by stub_symbols
-            continue
-        twin = getattr(module, f"_{name}", None)
-        if inspect.isfunction(twin) and twin.__module__ == module_name and f"{module_name}._{name}" not in out:
-            out.append(f"{module_name}._{name}")
-    return out
+    codes = [getattr(f, "__code__", None) for f in (vars(obj).values() if inspect.isclass(obj) else [obj])]
+    names: set[str] = set()
+    while codes:
+        code = codes.pop()
+        if code is not None:
+            names.update(code.co_names)
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+    return names
 
 
 def lesson_checks(test_sources: Iterable[str]) -> list[str]:
     """The checks of the lesson modules (``pagedkv.grading.lessons.lNN_*``) these test files use: every function the
-    tests import from them (``check_*``, set 04's ``grade_*`` and case builders) and every ``check_*`` function.
-    They run in the trusted process; in the sandbox they are hidden from every exercise of the set, because a
-    check that computes its expected values inline would hand them to a learner's function that runs it with
-    recording stand-ins for ``expect_equal`` (a notebook cell that runs them there fails with "not available
-    while grading", which is not reported)."""
+    tests import from them (``check_*``, set 04's ``grade_*`` and case builders), every ``check_*`` function, and
+    the module's private functions that only they call (``_allocate_slots_lifecycle``, the whole of
+    ``check_allocate_slots_random``), found through the names each uses. They run in the trusted process; in the
+    sandbox they are hidden from every exercise of the set, because a check that computes its expected values
+    inline would hand them to a learner's function that runs it with recording stand-ins for ``expect_equal`` (a
+    notebook cell that runs them there fails with "not available while grading", which is not reported). A
+    private function that the module's public helpers call too (``PluggableScheduler``, which notebook cells use)
+    stays."""
     import importlib
     import inspect
     import re
@@ -107,9 +102,22 @@ def lesson_checks(test_sources: Iterable[str]) -> list[str]:
     out: list[str] = []
     for name, imported in sorted(wanted.items()):
         module = importlib.import_module(f"pagedkv.grading.lessons.{name}")
-        out += [f"{module.__name__}.{fn}" for fn, obj in vars(module).items()
-                if (fn in imported or fn.startswith("check_")) and inspect.isfunction(obj)
-                and obj.__module__ == module.__name__]
+        own = {fn: obj for fn, obj in vars(module).items()
+               if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module.__name__}
+        checks = {fn for fn, obj in own.items() if inspect.isfunction(obj)
+                  and (fn in imported or fn.startswith("check_"))}
+
+        def reached(roots: set[str], own: dict = own) -> set[str]:
+            seen, todo = set(), list(roots)
+            while todo:
+                for used in _names_used(own[todo.pop()]) & set(own):
+                    if used.startswith("_") and used not in seen and inspect.isfunction(own[used]):
+                        seen.add(used)
+                        todo.append(used)
+            return seen
+
+        helpers = reached(checks) - reached(set(own) - checks - {n for n in own if n.startswith("_")})
+        out += [f"{module.__name__}.{fn}" for fn in own if fn in checks or fn in helpers]
     return out
 
 
@@ -126,8 +134,9 @@ def _libc() -> ctypes.CDLL | None:
 # ------------------------------------------------------------------------------------------ the library copy
 def stub_symbols(package: Path, symbols: Iterable[str]) -> list[str]:
     """Rewrite, in the copy of the library at ``package`` (the ``pagedkv`` folder), the body of each named
-    function or method to raise ``RuntimeError("... is not available while grading ...")``. Returns the names
-    that were not found (a misspelt reference in a source notebook)."""
+    function or method to raise ``RuntimeError`` with :func:`hidden_message` ("your code calls the library's X,
+    which is not available while grading ... Write it yourself"). Returns the names that were not found (a
+    misspelt reference in a source notebook)."""
     by_file: dict[Path, list[tuple[str, list[str]]]] = {}
     missing: list[str] = []
     for symbol in symbols:
@@ -161,13 +170,19 @@ def stub_symbols(package: Path, symbols: Iterable[str]) -> list[str]:
                 continue
             first = node.body[0]
             indent = " " * first.col_offset
-            text = (f"{indent}raise RuntimeError({symbol!r} + ' is not available while grading: the grader "
-                    "removed it from the library the learner code runs against')\n")
+            text = f"{indent}raise RuntimeError({hidden_message(symbol, '.'.join(qual))!r})\n"
             edits.append((first.lineno - 1, node.end_lineno or first.lineno, text))
         for start, end, text in sorted(edits, reverse=True):
             lines[start:end] = [text]
         path.write_text("".join(lines), encoding="utf-8")
     return missing
+
+
+def hidden_message(symbol: str, name: str) -> str:
+    """What a stubbed symbol raises, the one place the learner is told that an answer is the library's: ``name``
+    is how the learner's code reaches it (``BlockPool.get_new_blocks``), ``symbol`` its dotted path."""
+    return (f"your code calls the library's {name} ({symbol}), which is not available while grading: it computes "
+            "(or checks) this exercise's answer, so the grader hides it from the learner's code. Write it yourself")
 
 
 def _find(tree: ast.AST, qual: list[str]) -> ast.FunctionDef | ast.AsyncFunctionDef | None:

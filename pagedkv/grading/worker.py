@@ -173,7 +173,7 @@ class Question:
 def load_tests(zip_path: Path) -> list[Question]:
     """The set's questions in notebook order, with their test cases (the zip's ``tests/*.py``, defined here: the
     test files are the course's code, read from the trusted zip) and reference symbols."""
-    from pagedkv.grading.sandbox import expand_classes, lesson_checks, with_private_twins
+    from pagedkv.grading.sandbox import expand_classes, lesson_checks
 
     questions: dict[str, Question] = {}
     order: list[str] = []
@@ -206,7 +206,7 @@ def load_tests(zip_path: Path) -> list[Question]:
             exec(compile(source, f"<tests/{Path(entry).name}>", "exec"), namespace)  # noqa: S102 - trusted zip
             qname = str(namespace.get("name") or Path(entry).stem)
             ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
-            questions[qname] = Question(qname, cases, with_private_twins(expand_classes(str(r) for r in ref or [])))
+            questions[qname] = Question(qname, cases, expand_classes(str(r) for r in ref or []))
     checks = lesson_checks(sources)  # hidden in every exercise of the set
     for q in questions.values():
         q.reference[:] = sorted(set(q.reference) | set(checks))
@@ -335,16 +335,21 @@ class Grader:
         try:
             for case in q.cases:
                 refs = list(q.reference)
-                for _attempt in range(3):
+                needed: set[str] = set()
+                for _attempt in range(2):  # once more at most, with the library part that one composition needs
                     result = self.run_case(case, refs, clients)
-                    if isinstance(result, set):
-                        result |= private_helpers(result, refs)
-                        refs = [r for r in refs if r not in result]
+                    if isinstance(result, set) and needed:
+                        # A second composition: the library part of each would be in reach of the learner's
+                        # methods in the other (super() in the learner's lookup finds the library's lookup).
+                        result = (False, f"the test case composes the learner's class with the library's "
+                                         f"{', '.join(sorted(needed))} and also with {', '.join(sorted(result))}: "
+                                         "a sandbox holding both would hand either answer to the learner's code, "
+                                         "so the case cannot be graded (the course must split it in two)")
+                    elif isinstance(result, set):
+                        needed = result | private_helpers(result, refs)
+                        refs = [r for r in refs if r not in needed]
                         continue
                     break
-                else:
-                    result = (False, "the test case could not be run (it needs parts of the library that are "
-                                     "the exercise's answer)")
                 passed, message = result
                 cases.append({"name": case.name, "hidden": case.hidden, "points": case.points, "passed": passed,
                               "message": message})

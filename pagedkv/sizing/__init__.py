@@ -36,10 +36,9 @@ afterwards; the lab's engine takes ``num_gpu_blocks`` for the same purpose.
 (a laptop) it computes the same breakdown analytically, labelled as such, against a small stated budget
 (:data:`CPU_TOTAL_MEMORY`), because a CPU has no device memory of its own to profile.
 
-The exercise set asks for ``kv_page_bytes``, ``num_gpu_blocks`` and a prediction like ``analytic_profile``; the
-library's own callers use private twins (``_num_gpu_blocks``, ...), so that the public answers can be hidden
-while one exercise is graded and :func:`profile` still works in the others. The grader hides an exercise's
-twins with its answers (``pagedkv.grading.sandbox.with_private_twins``).
+The exercise set asks for ``kv_page_bytes``, ``num_gpu_blocks`` and a prediction like ``analytic_profile``. Each is
+computed in one function only, which the rest of the library calls (:func:`profile` calls
+:func:`analytic_profile`, which calls the other two), so the grader hides an answer by stubbing that one function.
 
 The package keeps each part where vLLM keeps it:
 

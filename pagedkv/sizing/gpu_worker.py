@@ -18,10 +18,11 @@ from pagedkv.sizing.kv_cache_utils import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     _check_utilization,
     _memory_figure,
-    _num_gpu_blocks,
-    _request_memory,
     check_enough_kv_cache_memory,
+    kv_page_bytes,
     max_concurrency,
+    num_gpu_blocks,
+    request_memory,
     resolve_kv_cache_dtype,
 )
 from pagedkv.sizing.mem_utils import GiB, MemorySnapshot, format_gib, memory_profiling
@@ -164,45 +165,10 @@ def analytic_profile(
     dtype; 4 for 4-bit quantised weights, ignoring the quantisation scales); ``peak_activation_memory`` to
     :func:`estimate_peak_activation` at ``max_num_batched_tokens``; non-torch and CUDA-graph memory to 0 (a CPU
     has neither; pass figures from a vLLM log to model a GPU). ``max_model_len`` defaults to the config's
-    ``max_position_embeddings``. Then the same arithmetic as :func:`num_gpu_blocks`, and vLLM's check that one
-    ``max_model_len`` request fits. Returns a new MemoryProfile; changes nothing.
+    ``max_position_embeddings``. Then :func:`kv_page_bytes` and :func:`num_gpu_blocks` (called, not written again:
+    each answer of lesson 5 has one copy), and vLLM's check that one ``max_model_len`` request fits. Returns a
+    new MemoryProfile; changes nothing.
     """
-    return _analytic_profile(
-        config,
-        max_num_batched_tokens,
-        block_size=block_size,
-        kv_cache_dtype=kv_cache_dtype,
-        gpu_memory_utilization=gpu_memory_utilization,
-        total_memory=total_memory,
-        weights_memory=weights_memory,
-        weight_bits=weight_bits,
-        peak_activation_memory=peak_activation_memory,
-        non_torch_memory=non_torch_memory,
-        cudagraph_memory=cudagraph_memory,
-        max_model_len=max_model_len,
-        device=device,
-        notes=notes,
-    )
-
-
-def _analytic_profile(
-    config: Any,
-    max_num_batched_tokens: int,
-    *,
-    block_size: int = 16,
-    kv_cache_dtype: str | torch.dtype = "auto",
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-    total_memory: int = CPU_TOTAL_MEMORY,
-    weights_memory: int | None = None,
-    weight_bits: float | None = None,
-    peak_activation_memory: int | None = None,
-    non_torch_memory: int = 0,
-    cudagraph_memory: int = 0,
-    max_model_len: int | None = None,
-    device: str = "cpu",
-    notes: tuple[str, ...] = (),
-) -> MemoryProfile:
-    """The implementation of :func:`analytic_profile` (the library calls this one)."""
     shape = model_shape(config)
     block_size = check_int(block_size, "block_size", 1)
     max_num_batched_tokens = check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
@@ -218,8 +184,8 @@ def _analytic_profile(
     if max_model_len is None:
         max_model_len = shape.max_position_embeddings or 2048
     max_model_len = check_int(max_model_len, "max_model_len", 1)
-    page = 2 * block_size * shape.num_kv_heads * shape.head_dim * kv_dtype.itemsize
-    blocks = _num_gpu_blocks(
+    page = kv_page_bytes(shape, block_size, kv_dtype)
+    blocks = num_gpu_blocks(
         total_memory,
         utilization,
         weights_memory,
@@ -229,7 +195,7 @@ def _analytic_profile(
         page,
         shape.num_layers,
     )
-    requested = _request_memory(total_memory, utilization)
+    requested = request_memory(total_memory, utilization)
     available = requested - non_torch_memory - peak_activation_memory - weights_memory - cudagraph_memory
     check_enough_kv_cache_memory(available, page, shape.num_layers, block_size, max_model_len)
     return MemoryProfile(
@@ -431,7 +397,7 @@ def profile(
         shape = model_shape(config)
         rows = min(max_num_seqs, max_num_batched_tokens)
         activations = estimate_peak_activation(config, max_num_batched_tokens, model_dtype, rows)
-        return _analytic_profile(
+        return analytic_profile(
             dataclasses.replace(shape, dtype=model_dtype),  # "auto" means the dtype the model runs in
             max_num_batched_tokens,
             block_size=block_size,
@@ -496,7 +462,7 @@ def _profile_cuda(
     torch.cuda.synchronize(device)
     baseline = MemorySnapshot.measure(device)
     total = baseline.total_memory if total_memory is None else total_memory
-    requested = _request_memory(total, utilization)
+    requested = request_memory(total, utilization)
     # vLLM's request_memory refuses to start when free memory at start-up is below the request. vLLM profiles in
     # a fresh process; the lab profiles a model already loaded, so its stand-in for "free at start-up" is free
     # now plus this model's weights. Anything else this process holds (another engine's KV cache) is not free.
@@ -523,7 +489,7 @@ def _profile_cuda(
     notes = [f"profile run took {result.profile_time:.2f} s"]
     if not cuda_graphs:
         notes.append(no_graph_note)
-    measured = _analytic_profile(
+    measured = analytic_profile(
         shape,
         num_tokens,
         block_size=block_size,

@@ -4,9 +4,10 @@ half of ``vllm/v1/core/kv_cache_utils.py`` in vLLM 0.26 (``get_num_blocks``, ``c
 size (``vllm/v1/kv_cache_interface.py``). The block queue and the block hashes, the other half of vLLM's file,
 are :mod:`pagedkv.kv_cache_utils`.
 
-The exercise set asks for ``kv_page_bytes`` and ``num_gpu_blocks``; the library's own callers use private twins
-(``_num_gpu_blocks``, ...), so the public answers can be hidden while one exercise is graded and the profile
-still works in the others (``pagedkv.grading.sandbox.with_private_twins``)."""
+Lesson 5's exercises ask for ``kv_page_bytes`` and ``num_gpu_blocks``. Each is computed here and nowhere else: the
+profile (:mod:`pagedkv.sizing.gpu_worker`) and the per-rank sizing (:mod:`pagedkv.sizing.parallel`) call them,
+so the grader, which stubs an exercise's answer in the learner's copy of the library, closes every route to it
+by stubbing the one function (``tests/test_grading_hidden.py`` walks the library for other copies)."""
 
 from __future__ import annotations
 
@@ -108,10 +109,6 @@ def _check_utilization(utilization: Any) -> float:
 def request_memory(total: int, utilization: float) -> int:
     """The bytes the engine may use: ``math.ceil(total * utilization)``, as
     ``vllm/v1/worker/utils.py::request_memory`` computes it (float product, then ceil)."""
-    return _request_memory(total, utilization)
-
-
-def _request_memory(total: int, utilization: float) -> int:
     total = _memory_figure(total, "total")
     if total == 0:
         raise ValueError("total memory must be > 0 bytes")
@@ -141,22 +138,8 @@ def num_gpu_blocks(
     nothing is left for the cache (vLLM's ``kv_cache_utils.py::_check_enough_kv_cache_memory`` refuses
     ``available <= 0``), saying by how much the non-KV memory exceeds the budget and what to lower.
     """
-    return _num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes, num_layers)
-
-
-def _num_gpu_blocks(
-    total: int,
-    utilization: float,
-    weights: int,
-    peak_activation: int,
-    non_torch: int,
-    cudagraph: int,
-    page_bytes: int,
-    num_layers: int,
-) -> int:
-    """The implementation of :func:`num_gpu_blocks` (the library calls this one)."""
     utilization = _check_utilization(utilization)
-    requested = _request_memory(total, utilization)
+    requested = request_memory(total, utilization)
     weights = _memory_figure(weights, "weights")
     peak_activation = _memory_figure(peak_activation, "peak_activation")
     non_torch = _memory_figure(non_torch, "non_torch")

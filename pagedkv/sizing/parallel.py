@@ -34,6 +34,7 @@ from pagedkv.distributed.layers import _check_tp, divide, num_kv_heads_per_rank
 from pagedkv.sizing import (
     ModelShape,
     estimate_peak_activation,
+    kv_page_bytes,
     max_concurrency,
     model_shape,
     num_gpu_blocks,
@@ -85,9 +86,7 @@ def kv_page_bytes_per_rank(config: Any, tp_size: int, block_size: int = 16,
     if is_mla(config):
         dtype = resolve_kv_cache_dtype(kv_cache_dtype, model_shape_dtype(config))
         return block_size * mla_head_size(config) * dtype.itemsize
-    s = rank_shape(config, tp_size)
-    dtype = resolve_kv_cache_dtype(kv_cache_dtype, s.dtype)
-    return 2 * block_size * s.num_kv_heads * s.head_dim * dtype.itemsize
+    return kv_page_bytes(rank_shape(config, tp_size), block_size, kv_cache_dtype)
 
 
 def model_shape_dtype(config: Any) -> torch.dtype:

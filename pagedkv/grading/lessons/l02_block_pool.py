@@ -9,12 +9,10 @@ fail (``pagedkv.grading.checks.fail``) with a message that names the call, the s
 
 from __future__ import annotations
 
-import inspect
 import random
 
 from pagedkv import BlockPool, KVCacheBlock, KVCacheManager, Request
 from pagedkv.grading.checks import STUB_NOTE, describe, expect_equal, expect_raises, fail, require_function, run
-from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue
 
 __all__ = [
     "check_allocate_slots_examples",
@@ -142,17 +140,6 @@ def hint(table, positions, bs):
     return explain
 
 
-def _require_own_queue(FreeQueue):
-    """FreeQueue is the learner's class, not the library's FreeKVCacheBlockQueue or a wrapper of it."""
-    require_function(FreeQueue, "FreeQueue")
-    if inspect.isclass(FreeQueue) and issubclass(FreeQueue, FreeKVCacheBlockQueue):
-        fail("FreeQueue subclasses the library's FreeKVCacheBlockQueue: write the four methods yourself")
-    for meth in ("popleft", "remove", "append", "appendleft"):
-        code_obj = getattr(getattr(FreeQueue, meth, None), "__code__", None)
-        if code_obj is not None and "FreeKVCacheBlockQueue" in code_obj.co_names:
-            fail(f"FreeQueue.{meth} calls the library's FreeKVCacheBlockQueue: write it yourself")
-
-
 def _free_queue_random_run(FreeQueue, rng, n_blocks, n_ops, label):
     """Random operations on a FreeQueue against a model list; the queue is checked after each."""
     blocks = [KVCacheBlock(i) for i in range(n_blocks)]
@@ -201,14 +188,8 @@ def _pool_state(pool):
     )
 
 
-def _forbid_library_call(fn, name):
-    """The learner's function must not call the library's function of the same name."""
-    if name in getattr(getattr(fn, "__code__", None), "co_names", ()):
-        fail(f"your {name} calls the library's {name}: write it with pool.free_block_queue instead")
-
-
 def check_free_queue_examples(FreeQueue):
-    _require_own_queue(FreeQueue)
+    require_function(FreeQueue, "FreeQueue")
 
     blocks = [KVCacheBlock(i) for i in range(6)]
     q = run(FreeQueue, (blocks,), name="FreeQueue")
@@ -247,7 +228,7 @@ def check_free_queue_examples(FreeQueue):
 
 
 def check_free_queue_random(FreeQueue):
-    _require_own_queue(FreeQueue)
+    require_function(FreeQueue, "FreeQueue")
 
     rng = random.Random(2002)
     for case in range(100):  # small queues first, so the first failure reported is a small one
@@ -255,7 +236,7 @@ def check_free_queue_random(FreeQueue):
 
 
 def check_free_queue_hidden(FreeQueue):
-    _require_own_queue(FreeQueue)
+    require_function(FreeQueue, "FreeQueue")
 
     rng = random.Random(918273)
     # (sized for the sandboxed grader, where every call and attribute read is a round trip to the learner's process)
@@ -277,7 +258,7 @@ def check_free_queue_hidden(FreeQueue):
 
 
 def check_free_queue_in_the_block_pool(FreeQueue):
-    _require_own_queue(FreeQueue)
+    require_function(FreeQueue, "FreeQueue")
 
     # Your queue inside the library's BlockPool: allocations pop it, frees append to either end, cache hits
     # remove from the middle. A model list says what the order must be after every step.
@@ -333,7 +314,6 @@ def check_free_queue_in_the_block_pool(FreeQueue):
 
 def check_get_new_blocks_alone(get_new_blocks):
     require_function(get_new_blocks, "get_new_blocks")
-    _forbid_library_call(get_new_blocks, "get_new_blocks")
     # Allocation alone: the pool's own free_blocks (the library's) puts blocks back where needed.
     pool = BlockPool(8)
     got = run(get_new_blocks, (pool, 3), name="get_new_blocks")
@@ -383,7 +363,6 @@ def check_get_new_blocks_alone(get_new_blocks):
 
 def check_free_blocks_alone(free_blocks):
     require_function(free_blocks, "free_blocks")
-    _forbid_library_call(free_blocks, "free_blocks")
 
     # Freeing alone: the blocks are handed out by the pool's own get_new_blocks (the library's).
     pool = BlockPool(8)
@@ -414,7 +393,6 @@ def check_free_blocks_alone(free_blocks):
 
 def check_free_blocks_refuses_without_change(free_blocks):
     require_function(free_blocks, "free_blocks")
-    _forbid_library_call(free_blocks, "free_blocks")
 
     pool = BlockPool(6)
     held = pool.get_new_blocks(2)
@@ -441,8 +419,6 @@ def _pool_state_machine(get_new_blocks, free_blocks, seed, cases, steps, sizes, 
     """Random operation sequences against a model; the invariants are checked after every step."""
     require_function(get_new_blocks, "get_new_blocks")
     require_function(free_blocks, "free_blocks")
-    for fn, name in ((get_new_blocks, "get_new_blocks"), (free_blocks, "free_blocks")):
-        _forbid_library_call(fn, name)
     rng = random.Random(seed)
     for case in range(cases):
         n = rng.choice(sizes)
@@ -585,8 +561,6 @@ def check_pool_state_machine_hidden(get_new_blocks, free_blocks):
 def _allocate_slots_grow(allocate_slots):
     """grow(manager, req, computed, new, label): the learner's allocate_slots, checked against the model."""
     require_function(allocate_slots, "allocate_slots")
-    if "allocate_slots" in getattr(getattr(allocate_slots, "__code__", None), "co_names", ()):
-        fail("your allocate_slots calls the library's KVCacheManager.allocate_slots: write it yourself")
 
     def state(manager):
         pool = manager.block_pool
@@ -722,15 +696,8 @@ def check_allocate_slots_hidden(allocate_slots):
                               block_sizes=[1, 3, 8, 16, 32])
 
 
-def _require_own_slot_mapping(slot_mapping):
-    require_function(slot_mapping, "slot_mapping")
-    names = getattr(getattr(slot_mapping, "__code__", None), "co_names", ())
-    if "compute_slot_mapping" in names or "get_slot_mapping" in names:
-        fail("your slot_mapping calls the library's compute_slot_mapping: write it yourself")
-
-
 def check_slot_mapping_examples(slot_mapping):
-    _require_own_slot_mapping(slot_mapping)
+    require_function(slot_mapping, "slot_mapping")
 
     cases = [
         ([7, 2], list(range(6)), 4),
@@ -752,7 +719,7 @@ def check_slot_mapping_examples(slot_mapping):
 
 
 def check_slot_mapping_hidden(slot_mapping):
-    _require_own_slot_mapping(slot_mapping)
+    require_function(slot_mapping, "slot_mapping")
 
     rng = random.Random(271828)
     for _ in range(300):

@@ -13,6 +13,7 @@ are plain dicts (what ``model.config.to_dict()`` gives), so they cross to a sand
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import random
@@ -163,7 +164,7 @@ def _run_on_config(fn: Callable, args: tuple, name: str, timeout: float, shown: 
     """``run``, with a KeyError on the config explained (the key may be missing, or None, in a real config),
     and the call shown as ``shown`` (the config with only the fields sizing reads)."""
     try:
-        return run(fn, args, name=name, timeout=timeout)
+        return run(fn, copy.deepcopy(args), name=name, timeout=timeout)  # a copy: what it changes stays there
     except AssertionError as exc:
         text = str(exc)
         cut = min((i for i in (text.find(" raised "), text.find(" did not return within ")) if i >= 0), default=-1)
@@ -187,7 +188,7 @@ def _check_page(kv_page_bytes: Callable, config: dict[str, Any], block_size: int
     """One case. ``ruled_out`` collects the mistakes the learner's function is known not to make (it gave the
     right answer on an earlier case where that mistake gives a wrong one), so that a hint never names them."""
     call = f"kv_page_bytes({_short(config)}, {block_size}, {describe(dtype)})"
-    got = _run_on_config(kv_page_bytes, (dict(config), block_size, dtype), "kv_page_bytes", 2, shown=call)
+    got = _run_on_config(kv_page_bytes, (config, block_size, dtype), "kv_page_bytes", 2, shown=call)
     expected = expected_page(config, block_size, dtype)
     mistakes = _page_mistakes(config, block_size, dtype)
     ruled_out = set() if ruled_out is None else ruled_out
@@ -399,7 +400,7 @@ def _check_prediction(predict: Callable, args: tuple) -> None:
     call = (f"predict_num_gpu_blocks({_short(config)}, weights_bytes={weights}, max_num_batched_tokens={tokens}, "
             f"total_memory={total}, gpu_memory_utilization={util}, block_size={block_size}, "
             f"kv_cache_dtype={describe(dtype)})")  # fmt: skip
-    got = _run_on_config(predict, (dict(config), weights, tokens, total, util, block_size, dtype),
+    got = _run_on_config(predict, (config, weights, tokens, total, util, block_size, dtype),
                          "predict_num_gpu_blocks", 5, shown=call)  # fmt: skip
     expected = expected_prediction(*args)
     peak = sizing.estimate_peak_activation(config, tokens)

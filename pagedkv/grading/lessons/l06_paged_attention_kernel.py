@@ -416,12 +416,14 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
     # The loop is judged with exercise 1's answer in place of the learner's kv_block_offsets: a mistake there
     # is exercise 1's, and must not cost this exercise its points (nor read outside the cache).
     kernel = with_reference_offsets(paged_decode_v1_kernel)
+    # The expected output first, and only copies for the kernel: what it writes into its inputs (seq_lens
+    # shortened to one token) cannot reach the reference.
+    ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
     kcp, vcp, btp = _padded(kc, float("nan")), _padded(vc, float("nan")), _padded(bt, 0)
     qp = _padded(q, float("nan"))
     out = _padded(torch.full_like(q, float("nan")), float("nan"))
     with reference_offsets_in(kernel, env):
-        _launch("paged_decode_v1_kernel", launch_learner_decode_v1, kernel, qp, kcp, vcp, btp, sl, out=out)
-    ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
+        _launch("paged_decode_v1_kernel", launch_learner_decode_v1, kernel, qp, kcp, vcp, btp, sl.clone(), out=out)
     err = relative_error(out, ref)
     if err < TOL[dtype]:
         return
@@ -632,9 +634,9 @@ def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num
         qwide = torch.zeros(len(lens) + block_g + 2, hq + pad_heads, d, dtype=dtype)
         qwide[: len(lens), :hq] = q
         qv = qwide[: len(lens), :hq]
-        _launch(f"decode version 2 with load_query_group (GROUP={group})",
-                launch_group_decode, load_query_group, qv, kc, vc, bt, sl, out)
-        ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
+        ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)  # before, on its own
+        _launch(f"decode version 2 with load_query_group (GROUP={group})",  # copies: the kernel's writes stay there
+                launch_group_decode, load_query_group, qv, kc.clone(), vc.clone(), bt.clone(), sl.clone(), out)
         where = f"GROUP={group}, Hq={hq}, Hkv={num_kv_heads}, seq_lens={lens}"
         canaries = torch.ones_like(wide, dtype=torch.bool)
         canaries[: len(lens), :hq] = False

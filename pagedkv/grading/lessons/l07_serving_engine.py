@@ -160,9 +160,9 @@ def _first_difference(name: str, value: list, expected: list, want) -> str:
 
 
 def _compare_inputs(fn, so, token_ids, bs) -> None:
-    got = _run_shown(fn, (plain_output(so), token_ids, bs), timeout=5,
+    want = prepare_inputs(so, token_ids, bs)  # first; the learner's function gets copies
+    got = _run_shown(fn, (plain_output(copy.deepcopy(so)), copy.deepcopy(token_ids), bs), timeout=5,
                      shown=f"prepare_inputs(scheduler_output, token_ids, {bs}) for the step {_describe_step(so, bs)}")
-    want = prepare_inputs(so, token_ids, bs)
     if got is None:
         fail("prepare_inputs returned None: is it still the stub? Return a ModelInputs(...)")
     for name in FIELDS:

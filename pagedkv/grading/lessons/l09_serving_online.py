@@ -15,6 +15,7 @@ seeded random ones.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from typing import Any
@@ -83,8 +84,8 @@ def _stop_mistakes(text: str, new: int, stop: list[str], include: bool) -> list[
 
 
 def _expect_stop(fn: Any, args: tuple) -> None:
-    got = run(fn, args, name="check_stop_strings", timeout=2)
-    want = expected_stop(*args)
+    want = expected_stop(*args)  # first, and the learner gets copies: nothing it changes reaches the expected
+    got = run(fn, copy.deepcopy(args), name="check_stop_strings", timeout=2)
     if isinstance(got, list):
         got = tuple(got)
     if got == want and (want is None or (isinstance(got[1], int) and not isinstance(got[1], bool))):
@@ -92,7 +93,13 @@ def _expect_stop(fn: Any, args: tuple) -> None:
     call = "check_stop_strings(" + ", ".join(describe(a) for a in args) + ")"
     message = f"{call} returned {describe(got)}, expected {describe(want)}"
     if got is None and want is not None:
-        message += f". {STUB_NOTE}"
+        # The stub's answer too, so no mistake's hint (it would point a learner who has not started at a bug they
+        # do not have): where the match is, which is what an answer that missed it needs, then the stub's note.
+        text, new, _, _ = args
+        at = text.find(want[0], max(0, len(text) - new - len(want[0]) + 1))
+        where = ", in the old text," if at < len(text) - new else ""
+        fail(f"{message}: {want[0]!r} starts at index {at}{where} and ends in the last {new} character(s), the new "
+             f"ones, so it must be found. {STUB_NOTE}")
     hints = [why for value, why in _stop_mistakes(*args) if value == got and value != want]
     if want is not None and got is not None and isinstance(got, tuple) and len(got) == 2 and got[0] == want[0]:
         if want[1] == -1:
@@ -162,8 +169,8 @@ def _chain(token_ids: list[int], block_size: int, keys: Any, chained: bool = Tru
 
 def _expect_hashes(fn: Any, args: tuple) -> list[bytes]:
     tokens, bs, salt = args
-    got = run(fn, args, name="salted_block_hashes", timeout=5)
     want = expected_salted_hashes(*args)
+    got = run(fn, copy.deepcopy(args), name="salted_block_hashes", timeout=5)
     if isinstance(got, tuple):
         got = list(got)
     if got == want:
@@ -184,6 +191,10 @@ def _expect_hashes(fn: Any, args: tuple) -> list[bytes]:
         (_chain(tokens, bs, lambda i: (salt,) if i == 0 else None),
          "with no salt, extra_keys must be None, not (None,): an unsalted request must hash as before salting "
          "existed"),
+        (_chain(tokens, bs, lambda i: None),
+         "the salt is missing: block 0's extra_keys is (cache_salt,) when there is a salt"),
+        (_chain(tokens, bs, lambda i: salt if i == 0 and salt is not None else None),
+         "extra_keys is a tuple: block 0's is (cache_salt,), not the bare string"),
     ]
     hints = [why for value, why in mistakes if value == got]
     first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
@@ -252,14 +263,14 @@ def _close(a: Any, b: Any) -> bool:
 
 def _expect_metrics(fn: Any, args: tuple) -> None:
     start, times, tokens = args
-    got = run(fn, args, name="request_metrics", timeout=2)
     want = expected_metrics(*args)
+    got = run(fn, copy.deepcopy(args), name="request_metrics", timeout=2)
     call = f"request_metrics({start!r}, {describe(times, 60)}, {describe(tokens, 40)})"
     if got is None:
         fail(f"{call} returned None. {STUB_NOTE}")
     if not isinstance(got, dict) or any(k not in got for k in KEYS):
         fail(f"{call} returned {describe(got)}: return a dict with the keys {list(KEYS)}")
-    for key in KEYS:
+    for key in ("ttft", "itl", "latency", "output_len", "tpot"):  # TPOT last: it is computed from the others
         if _close(got[key], want[key]):
             continue
         hint = ""

@@ -12,6 +12,7 @@ combination, then (hidden) larger ones.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from typing import Any
@@ -170,8 +171,8 @@ def _expected_page(config: dict[str, Any], tp: int, block_size: int, nbytes: int
 
 def _check_page(fn: Callable, config: dict[str, Any], tp: int, block_size: int, nbytes: int, label: str) -> None:
     call = f"kv_page_bytes_per_rank({label}, tp={tp}, block_size={block_size}, dtype_bytes={nbytes})"
-    got = run(fn, (dict(config), tp, block_size, nbytes), name="kv_page_bytes_per_rank", timeout=2)
-    want = _expected_page(config, tp, block_size, nbytes)
+    want = _expected_page(config, tp, block_size, nbytes)  # first; the learner's function gets a copy
+    got = run(fn, (copy.deepcopy(config), tp, block_size, nbytes), name="kv_page_bytes_per_rank", timeout=2)
     if _is_int(got) and got == want:
         return
     message = f"{call} returned {describe(got)}, expected {want}"
