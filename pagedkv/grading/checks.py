@@ -41,6 +41,7 @@ __all__ = [
     "expect_raises",
     "fail",
     "format_call",
+    "is_int",
     "require_function",
     "run",
     "time_limit",
@@ -253,7 +254,9 @@ def run(
         fail(f"{label} raised {type(exc).__name__}: {exc}{_where(exc)}")
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """Whether an answer is an integer: an ``int`` or a numpy integer (a scalar or a 0-d array), never a ``bool``.
+    The one test the checks of every set use on a learner's result."""
     if isinstance(x, bool):
         return False
     if isinstance(x, int):
@@ -266,11 +269,11 @@ def _mismatch(got: Any, expected: Any, rel: float, abs_tol: float) -> str | None
     if isinstance(expected, bool) or expected is None:
         return None if got is expected else "wrong value"
     if isinstance(expected, int):
-        if not _is_int(got):
+        if not is_int(got):
             return f"expected an int, got {type(got).__name__}"
         return None if int(got) == expected else "wrong value"
     if isinstance(expected, float):
-        if not isinstance(got, (int, float)) and not _is_int(got) and type(got).__module__ != "numpy":
+        if not isinstance(got, (int, float)) and not is_int(got) and type(got).__module__ != "numpy":
             return f"expected a number, got {type(got).__name__}"
         try:
             value = float(got)

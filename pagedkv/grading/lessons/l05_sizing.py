@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pagedkv import sizing
-from pagedkv.grading.checks import STUB_NOTE, describe, expect_raises, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, expect_raises, fail, is_int, require_function, run
 from pagedkv.grading.lessons.depends import Earlier, with_earlier_answers
 
 __all__ = [
@@ -60,13 +60,6 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "Qwen3-0.6B": dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        hidden_size=1024, intermediate_size=3072, vocab_size=151936, dtype="bfloat16"),
 }  # fmt: skip
-
-def _is_int(x: Any) -> bool:
-    """An int (numpy integers too), not a bool."""
-    if isinstance(x, bool):
-        return False
-    return isinstance(x, int) or (type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0
-                                  and x.dtype.kind in "iu")  # fmt: skip
 
 
 def _short(config: dict[str, Any]) -> str:
@@ -137,12 +130,12 @@ def _page_mistakes(config: dict[str, Any], block_size: int, kv_cache_dtype: Any)
 
 
 def _expect_int(got: Any, expected: int, call: str, mistakes: list[tuple[int, str]]) -> None:
-    if _is_int(got) and int(got) == expected:
+    if is_int(got) and int(got) == expected:
         return
     message = f"{call} returned {describe(got)}, expected {expected}"
     if got is None:
         fail(f"{message}. {STUB_NOTE}")
-    if not _is_int(got):
+    if not is_int(got):
         if isinstance(got, float) and got == expected:
             fail(message + f" (a {type(got).__name__}: return an int; use // rather than /)")
         fail(message + f" (expected an int, got {type(got).__name__})")
@@ -192,7 +185,7 @@ def _check_page(kv_page_bytes: Callable, config: dict[str, Any], block_size: int
     expected = expected_page(config, block_size, dtype)
     mistakes = _page_mistakes(config, block_size, dtype)
     ruled_out = set() if ruled_out is None else ruled_out
-    if _is_int(got) and int(got) == expected:
+    if is_int(got) and int(got) == expected:
         ruled_out.update(key for _, _, key in mistakes)
     _expect_int(got, expected, call, [(v, m) for v, m, key in mistakes if not set(key.split("+")) & ruled_out])
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv.distributed.layers import kv_head_shard
-from pagedkv.grading.checks import STUB_NOTE, describe, expect_raises, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, expect_raises, fail, is_int, require_function, run
 from pagedkv.sizing.parallel import kv_page_bytes_per_rank, unify_num_blocks
 
 __all__ = [
@@ -47,10 +47,6 @@ DENSE: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 MLA: dict[str, Any] = dict(num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
                            hidden_size=7168, intermediate_size=18432, kv_lora_rank=512, qk_rope_head_dim=64)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # --- exercise 1: the KV heads of a rank ----------------------------------------------------------------------
@@ -83,12 +79,12 @@ def _check_heads(fn: Callable, h: int, tp: int, rank: int) -> None:
     want = expected_heads(h, tp, rank)
     if isinstance(got, range):
         got = list(got)
-    if isinstance(got, (list, tuple)) and all(_is_int(x) for x in got) and list(got) == want:
+    if isinstance(got, (list, tuple)) and all(is_int(x) for x in got) and list(got) == want:
         return
     message = f"{call} returned {describe(got)}, expected {want}"
     if got is None:
         fail(f"{message}. {STUB_NOTE}")
-    if not isinstance(got, (list, tuple)) or not all(_is_int(x) for x in got):
+    if not isinstance(got, (list, tuple)) or not all(is_int(x) for x in got):
         fail(message + " (return a list of ints: the head indices, in increasing order)")
     hints = [why for wrong, why in _heads_mistakes(h, tp, rank) if list(got) == wrong and wrong != want]
     fail(f"{message}. Hint: {hints[0]}" if hints else message + ".")
@@ -173,13 +169,13 @@ def _check_page(fn: Callable, config: dict[str, Any], tp: int, block_size: int, 
     call = f"kv_page_bytes_per_rank({label}, tp={tp}, block_size={block_size}, dtype_bytes={nbytes})"
     want = _expected_page(config, tp, block_size, nbytes)  # first; the learner's function gets a copy
     got = run(fn, (copy.deepcopy(config), tp, block_size, nbytes), name="kv_page_bytes_per_rank", timeout=2)
-    if _is_int(got) and got == want:
+    if is_int(got) and got == want:
         return
     message = f"{call} returned {describe(got)}, expected {want}"
     if got is None:
         fail(f"{message}. {STUB_NOTE}")
     hints = [why for wrong, why in _page_mistakes(config, tp, block_size, nbytes) if got == wrong]
-    if not _is_int(got) and not hints:
+    if not is_int(got) and not hints:
         fail(message + f" (expected an int, got {type(got).__name__})")
     fail(f"{message}. Hint: {hints[0]}" if hints else message + ".")
 
@@ -231,7 +227,7 @@ def _check_pool(fn: Callable, available: list[int], page: int, layers: int) -> N
     got = run(fn, (list(available), page, layers), name="pool_num_blocks", timeout=2)
     per_rank = [a // page // layers for a in available]
     want = unify_num_blocks(per_rank)
-    if _is_int(got) and got == want:
+    if is_int(got) and got == want:
         return
     message = f"{call} returned {describe(got)}, expected {want} (the ranks hold {per_rank})"
     if got is None:
