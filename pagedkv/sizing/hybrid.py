@@ -46,12 +46,11 @@ from pagedkv.kv_cache_interface import (
     KVCacheSpec,
     KVCacheTensor,
     SlidingWindowSpec,
-    cdiv,
 )
 from pagedkv.sizing.kv_cache_utils import resolve_kv_cache_dtype
 from pagedkv.sizing.mem_utils import format_gib
 from pagedkv.sizing.model import _config_get, model_shape
-from pagedkv.utils import check_int
+from pagedkv.utils import cdiv, check_int
 
 __all__ = [
     "HYBRID_SHAPES",

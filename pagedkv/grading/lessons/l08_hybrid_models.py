@@ -16,8 +16,9 @@ from typing import Any
 
 from pagedkv import KVCacheManager, Request
 from pagedkv.grading.checks import STUB_NOTE, describe, expect_equal, fail, require_function, run
-from pagedkv.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, cdiv
+from pagedkv.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pagedkv.single_type_kv_cache_manager import SlidingWindowManager
+from pagedkv.utils import cdiv
 
 __all__ = [
     "check_group_layers_examples",
