@@ -10,21 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from source_notebook import SourceNotebook, stub
+from test_engine import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "07_serving_engine.ipynb"
 QUESTIONS = ["prepare_inputs", "paged_attention"]
 NB = SourceNotebook(SOURCE, tolerate_cell_errors=True)
 ITEMS, SOLUTIONS = NB.items, NB.solutions
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_the_source_has_every_question_with_public_and_hidden_tests() -> None:

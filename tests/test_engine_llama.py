@@ -7,19 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.llama import ARCHITECTURES, LlamaDecoder, apply_rotary, rms_norm, unsupported_reason
 from pagedkv.engine.model_runner import TransformersDecoder, make_decoder
 from pagedkv.engine.tiny_models import tiny_model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @settings(max_examples=20, deadline=None)
