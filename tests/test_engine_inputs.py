@@ -34,6 +34,8 @@ def engine_state(llm: LLM) -> tuple[int, int, int, list[str]]:
     ("top_p", 0.0, "top_p must be"),
     ("seed", 2**70, "seed must be"),
     ("stop_token_ids", [1, -2], "stop_token_ids"),
+    ("n", 2, "n must be 1 when using greedy sampling, got 2"),
+    ("n", 16385, "n must be at most 16384, got 16385"),
 ])
 def test_a_field_changed_after_construction_is_checked_by_generate(llm, field, value, message):
     """``sp.n = 0`` used to return no completions and leave request '0' queued holding blocks; the next generate
@@ -71,9 +73,24 @@ def test_a_generate_that_fails_midway_leaves_the_engine_as_it_was(llm, monkeypat
 
     monkeypatch.setattr(llm.engine_core, "step_fn", failing_step)
     with pytest.raises(RuntimeError, match="interrupted"):
-        llm.generate([PROMPT, PROMPT[::-1]], SamplingParams(max_tokens=8, temperature=0.0, n=2), use_tqdm=False)
+        llm.generate([PROMPT, PROMPT[::-1]], SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=2),
+                     use_tqdm=False)
     monkeypatch.undo()
     assert engine_state(llm) == before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": 0.0, "n": 2}, "n must be 1 when using greedy sampling, got 2."),
+    ({"n": 16385}, "n must be at most 16384, got 16385."),
+])
+def test_vllm_refuses_greedy_n_and_too_many_sequences(kwargs, message):
+    """vLLM 0.26 refuses ``n > 1`` with temperature 0 (``SamplingParams._verify_greedy_sampling``) and ``n`` above
+    ``VLLM_MAX_N_SEQUENCES`` = 16384 (``_verify_args``), with these messages; the lab ran both (``n=20000`` over
+    HTTP ran 20,000 requests on a 64-block pool). At the largest ``n`` and any positive temperature it accepts."""
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        SamplingParams(**kwargs)
+    assert SamplingParams(n=16384, temperature=0.5).n == 16384
+    assert SamplingParams(n=1, temperature=0.0).is_greedy
 
 
 @pytest.mark.parametrize("seed, n", [(2**70, 1), (2**64 - 1, 2), (2**64, 1), (-(2**63) - 1, 1)])

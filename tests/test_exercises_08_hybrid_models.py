@@ -148,3 +148,70 @@ def test_one_group_per_layer_of_a_one_type_model_gets_the_one_type_hint() -> Non
     assert passed == 0 and "['full_attention', 'full_attention', 'full_attention', 'full_attention']" in first
     assert "one attention type is one group" in first and "_get_kv_cache_groups_uniform_spec" in first
     assert "close" not in first and "padding" not in first
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "named", "not_named"),
+    [
+        ("for layers in same.values():", "for _, layers in sorted(same.items()):", "order of first appearance",
+         "close"),  # fmt: skip
+        ("n = cdiv(len(layers), group_size)", "n = max(1, len(layers) // group_size)",
+         "round the number of groups up", "close"),  # fmt: skip
+    ],
+)
+def test_group_layers_order_and_rounding_are_named(old: str, new: str, named: str, not_named: str) -> None:
+    """Types sorted by name instead of by first appearance, and len // group_size groups: each hint says which."""
+    passed, total, first = _points(_wrong("group_layers", old, new), "group_layers")
+    assert passed < total and named in first and not_named not in first, first
+
+
+def test_freed_but_left_in_the_table_is_named() -> None:
+    passed, total, first = _points(_wrong("remove_skipped", "        blocks[i] = null\n", ""), "remove_skipped")
+    assert passed == 0 and "still [1, 2, 3, 4, 5]" in first and "null_block in each released block's place" in first
+
+
+_RETURN_AT_RUN = "            del blocks[i + run :]\n            return blocks, len(blocks) * block_size"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "named"),
+    [
+        ("need = cdiv(sliding_window - 1, block_size)", "need = (sliding_window - 1) // block_size",
+         "(sliding_window - 1) // block_size = 1 block(s)"),
+        ("need = cdiv(sliding_window - 1, block_size)", "need = cdiv(sliding_window, block_size)",
+         "cdiv(sliding_window, block_size) = 3 block(s)"),
+        ("n = max(0, max_length) // block_size", "n = len(block_hashes)", "a hit is at most max_length tokens"),
+        (_RETURN_AT_RUN, _RETURN_AT_RUN.replace("del blocks[i + run :]", "blocks = blocks[i : i + run]"),
+         "pool.null_block for every block before the run"),
+        (_RETURN_AT_RUN, "            del blocks[i + run :]\n            return blocks, run * block_size",
+         "the null blocks count too"),
+        ("    del blocks[run:]\n    return blocks, len(blocks) * block_size\n", "    return [], 0\n",
+         "still counts when it reaches block 0"),
+        ("blocks = [block_pool.null_block] * n", "blocks = [None] * n", "block_pool.null_block, not None"),
+    ],
+)  # fmt: skip
+def test_hit_mistakes_are_named(old: str, new: str, named: str) -> None:
+    """Each wrong hit fails a public case whose message names it (a run of cdiv(W, bs) blocks is not called full
+    attention's rule, though on the window-9 case both give the same blocks)."""
+    results = [r for r in _wrong("sliding_hit", old, new) if r[0] == "sliding_hit" and not r[1]]
+    first = next(msg for _, _, ok, msg in results if not ok)
+    assert named in first and "full attention's rule" not in first, first
+
+
+@pytest.mark.parametrize(
+    ("new", "named"),
+    [
+        ("cdiv(min(sliding_window - 1, max_model_len), block_size) + 1", ["the tokens in flight count too"]),
+        ("min(cdiv(sliding_window - 1, block_size) + cdiv(max_in_flight_tokens, block_size), "
+         "cdiv(max_model_len, block_size)) + 1", ["round up once"]),
+        # these two are wrong exactly when "no + 1" is, and give its count: the hint names both
+        ("min(sliding_window - 1 + max_in_flight_tokens, max_model_len) // block_size + 1",
+         ["one block more", "round the tokens up"]),
+        ("min(cdiv(sliding_window - 1 + max_in_flight_tokens, block_size) + 1, cdiv(max_model_len, block_size))",
+         ["one block more", "cap the tokens at max_model_len first"]),
+    ],
+)  # fmt: skip
+def test_more_max_blocks_mistakes_are_named(new: str, named: list[str]) -> None:
+    expr = "cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1"
+    passed, total, first = _points(_wrong("max_blocks", expr, new), "max_blocks")
+    assert passed == 0 and all(n in first for n in named), first

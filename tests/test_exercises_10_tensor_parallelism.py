@@ -90,3 +90,38 @@ def test_pool_mistakes_are_named(new, hint):
     old = "return min(a // page_bytes // num_layers for a in available_per_rank)"
     first = _first_failure("pool_num_blocks", _variant("pool_num_blocks", old, new))
     assert hint in first, first
+
+
+@pytest.mark.parametrize("old, new, hints", [
+    ("return 2 * block_size * kv_heads * head_dim * dtype_bytes",
+     "return 2 * block_size * kv_heads * head_dim * dtype_bytes * config[\"num_hidden_layers\"]",
+     ["the page of all 80 layers"]),
+    ("return 2 * block_size * kv_heads * head_dim * dtype_bytes", "return 2 * block_size * kv_heads * head_dim * 2",
+     ["multiply by dtype_bytes (1)"]),
+    # at tp 1 a head_dim of hidden_size // num_key_value_heads gives the query heads' page: both are named
+    ("config[\"hidden_size\"] // heads", "config[\"hidden_size\"] // config[\"num_key_value_heads\"]",
+     ["not the query heads", "not // num_key_value_heads"]),
+])  # fmt: skip
+def test_more_page_mistakes_are_named(old, new, hints):
+    first = _first_failure("kv_page_bytes_per_rank", _variant("kv_page_bytes_per_rank", old, new), public_only=True)
+    assert all(h in first for h in hints), first
+
+
+def test_strided_heads_are_named():
+    wrong = _variant("kv_heads_of_rank", "list(range(rank * n, (rank + 1) * n))", "list(range(rank, num_kv_heads, tp))")
+    first = _first_failure("kv_heads_of_rank", wrong, public_only=True)
+    assert "NEIGHBOURING heads" in first and "not one head in every 2" in first, first
+
+
+@pytest.mark.parametrize("new, hint", [
+    ("return min(a / page_bytes / num_layers for a in available_per_rank)", "expected an int"),
+    ("return min(round(a / page_bytes / num_layers) for a in available_per_rank)", "round down"),
+    ("return min(a // page_bytes // num_layers // 2 for a in available_per_rank)", "do not halve again"),
+    ("return sum(available_per_rank) // len(available_per_rank) // page_bytes // num_layers", "average"),
+    ("return min(a // page_bytes // num_layers for a in available_per_rank) * len(available_per_rank)",
+     "times the 2 ranks"),
+])  # fmt: skip
+def test_more_pool_mistakes_are_named(new, hint):
+    old = "return min(a // page_bytes // num_layers for a in available_per_rank)"
+    first = _first_failure("pool_num_blocks", _variant("pool_num_blocks", old, new), public_only=True)
+    assert hint in first, first

@@ -8,6 +8,8 @@ from pagedkv.utils import check_int
 
 #: The smallest temperature above 0: vLLM 0.26 raises ``0 < t < 1e-2`` to ``1e-2`` (``_MAX_TEMP``).
 MIN_TEMPERATURE = 1e-2
+#: The most completions one request may ask for: vLLM 0.26's ``VLLM_MAX_N_SEQUENCES`` default (``vllm/envs.py``).
+MAX_N_SEQUENCES = 16384
 
 
 @dataclass
@@ -17,7 +19,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy (argmax; ``top_k`` and ``top_p`` are then reset to "no limit"); a
     temperature in ``(0, 0.01)`` is raised to 0.01; at most 2. ``top_k`` 0 (or -1) keeps every token; ``top_p``
     1.0 keeps the whole distribution. ``seed`` gives the request its own ``torch.Generator``, so its samples
-    do not depend on what else is in the batch or on preemption (-1: no seed). ``n`` completions per prompt.
+    do not depend on what else is in the batch or on preemption (-1: no seed). ``n`` completions per prompt
+    (at most :data:`MAX_N_SEQUENCES`; greedy sampling takes ``n == 1``: ``n`` greedy copies would be one answer).
     Generation stops at ``max_tokens``, at the model's EOS token (unless ``ignore_eos``) or at any of
     ``stop_token_ids``.
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
@@ -53,8 +56,11 @@ class SamplingParams:
     def _verify_args(self) -> None:
         """``ValueError`` naming the first invalid field and its valid range; changes nothing. Runs at
         construction and again (through :meth:`verified`) when a request is queued, so a field changed after
-        construction is checked too. Mirrors ``SamplingParams._verify_args`` (``vllm/sampling_params.py``)."""
+        construction is checked too. Mirrors ``SamplingParams._verify_args`` and ``_verify_greedy_sampling``
+        (``vllm/sampling_params.py``)."""
         check_int(self.n, "n", 1)
+        if self.n > MAX_N_SEQUENCES:  # vLLM's message (envs.VLLM_MAX_N_SEQUENCES)
+            raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
         check_int(self.max_tokens, "max_tokens", 1)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
@@ -75,6 +81,8 @@ class SamplingParams:
                 check_int(t, "each of stop_token_ids", 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.temperature == 0.0 and self.n > 1:  # vLLM's _verify_greedy_sampling, its message
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
     def verified(self) -> SamplingParams:
         """A checked, normalised copy (``ValueError`` if a field was set to an invalid value after

@@ -34,7 +34,7 @@ import weakref
 from typing import Any
 
 from pagedkv.grading.limits import WALL_FACTOR
-from pagedkv.grading.sandbox import Sandbox
+from pagedkv.grading.sandbox import Sandbox, hidden_message
 from pagedkv.grading.wire import Codec, ProtocolError, read_message, resolve_name, write_message
 
 __all__ = ["Client", "RemoteObject", "SandboxDied", "TooSlow", "is_remote"]
@@ -287,7 +287,7 @@ class Client:
         dotted = name.replace(":", ".")
         if dotted in self.references:
             def unavailable(*args: Any, **kwargs: Any) -> Any:
-                raise RuntimeError(f"{dotted} is not available while grading (it is the exercise's reference)")
+                raise RuntimeError(hidden_message(dotted, name.rpartition(":")[2]))
             unavailable.__name__ = dotted.rsplit(".", 1)[-1]
             return unavailable
         if isinstance(obj, type) and not issubclass(obj, BaseException):
@@ -308,8 +308,8 @@ class Client:
             else:
                 def refused(name: str) -> Any:
                     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-                        raise RuntimeError(f"{cls.__name__}.{name} is not available on an object the learner's code "
-                                           "made or sent (it is the exercise's reference)")
+                        raise RuntimeError(hidden_message(f"{cls.__module__}.{cls.__qualname__}.{name}",
+                                                          f"{cls.__name__}.{name}"))
                     return method
                 tainted = type(cls.__name__, (cls,), {n: refused(n) for n in sorted(names)})
                 tainted.__module__ = cls.__module__

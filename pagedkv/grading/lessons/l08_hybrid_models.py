@@ -10,6 +10,7 @@ the case and the rule that was broken.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -48,17 +49,19 @@ def reference_max_blocks(sliding_window: int, block_size: int, max_in_flight_tok
     return cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1
 
 
-def reference_group_layers(layer_types: list[str]) -> list[list[int]]:
+def reference_group_layers(layer_types: list[str], *, pad: bool = True, round_up: bool = True) -> list[list[int]]:
+    """vLLM 0.26's grouping; ``pad=False`` (never the largest count as the group size) and ``round_up=False``
+    (``len // group_size`` groups) are two mistakes the hints name."""
     same: dict[str, list[int]] = {}
     for i, t in enumerate(layer_types):
         same.setdefault(t, []).append(i)
     sizes = [len(v) for v in same.values()]
     group_size = min(sizes)
-    if max(sizes) < group_size * 1.5:
+    if pad and max(sizes) < group_size * 1.5:
         group_size = max(sizes)
     out = []
     for layers in same.values():
-        n = cdiv(len(layers), group_size)
+        n = cdiv(len(layers), group_size) if round_up else max(1, len(layers) // group_size)
         out += [layers[i::n] for i in range(n)]
     return out
 
@@ -137,6 +140,10 @@ def _remove_case(remove_skipped_blocks, bs: int, window: int, prompt: int, calls
         if len(got["table"]) != len(want["table"]):
             fail(f"{head} the table is {got['table']}, expected {want['table']}: keep the table's length, put "
                  "manager.block_pool.null_block where a block was released (positions must still match tokens)")
+        if got["table"] == before["table"] and got["ref_cnt"] != before["ref_cnt"]:
+            fail(f"{head} the blocks went back to the pool (ref_cnt {got['ref_cnt']}) but the table is still "
+                 f"{got['table']}, expected {want['table']}: put manager.block_pool.null_block in each released "
+                 "block's place in manager.req_to_blocks[request_id]")
         if got["table"] != want["table"]:
             skipped = reference_skipped(n, window)
             fail(f"{head} the table is {got['table']}, expected {want['table']}: {skipped} tokens are skipped, so "
@@ -188,6 +195,21 @@ def cached_pool(bs: int, window: int, num_tokens: int, evict: list[int]):
     return m.block_pool, list(r.block_hashes), [b.block_id for b in table]
 
 
+def _right_to_left(pool, hashes, max_length: int, bs: int, need: int) -> list[int]:
+    """The block ids of the right-to-left hit when a run of ``need`` cached blocks ends it (0: the null block)."""
+    n = max(0, max_length) // bs
+    ids, run = [0] * n, 0
+    for i in range(n - 1, -1, -1):
+        block = pool.get_cached_block(hashes[i])
+        if block is None:
+            run = 0
+            continue
+        ids[i], run = block.block_id, run + 1
+        if run >= need:
+            return ids[: i + run]
+    return ids[:run]
+
+
 def _hit_case(find_longest_sliding_hit, bs, window, num_tokens, evict, max_length, what):
     pool, hashes, table = cached_pool(bs, window, num_tokens, evict)
     spec = SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=window)
@@ -202,12 +224,21 @@ def _hit_case(find_longest_sliding_hit, bs, window, num_tokens, evict, max_lengt
     try:
         ids = [b.block_id for b in blocks]
     except (AttributeError, TypeError):
-        fail(f"{what}: {call} returned {describe(blocks)} as the blocks, expected a list of KVCacheBlock")
+        nulls = isinstance(blocks, list) and None in blocks
+        fail(f"{what}: {call} returned {describe(blocks)} as the blocks, expected a list of KVCacheBlock"
+             + (": put block_pool.null_block, not None, where the window does not need the block" if nulls else ""))
     cached = [i for i in range(len(table)) if i not in evict and (i + 1) * bs <= num_tokens]
     head = (f"{what}: block size {bs}, window {window} (a hit must end with {cdiv(window - 1, bs)} cached blocks), "
             f"positions {cached} cached, at most {max_length} tokens: {call}")  # fmt: skip
     if ids == want and length == want_len:
         return
+    need = cdiv(window - 1, bs)
+    for wrong_need, why in ((cdiv(window, bs), f"cdiv(sliding_window, block_size) = {cdiv(window, bs)}"),
+                            ((window - 1) // bs, f"(sliding_window - 1) // block_size = {(window - 1) // bs}")):
+        if wrong_need != need and ids == _right_to_left(pool, hashes, max_length, bs, wrong_need) != want:
+            fail(f"{head} returned blocks {ids}, expected {want}: that hit ends with a run of {why} block(s); it "
+                 f"must end with cdiv(sliding_window - 1, block_size) = {need}: the next token reads the "
+                 "sliding_window - 1 tokens before it (and itself, not cached yet), rounded up to whole blocks")
     left = []  # full attention's hit: every block from the start
     for i in range(max_length // bs):
         block = pool.get_cached_block(hashes[i])
@@ -218,6 +249,19 @@ def _hit_case(find_longest_sliding_hit, bs, window, num_tokens, evict, max_lengt
         fail(f"{head} returned blocks {ids} ({length} tokens), expected {want} ({want_len} tokens): that is full "
              "attention's rule (every block from the start); a sliding layer needs only the last blocks before the "
              "hit's end: scan from the right, and put pool.null_block before the run")
+    if length > max_length:
+        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want}): a hit is at most max_length "
+             "tokens, so look at max_length // block_size blocks only")
+    real = [i for i in want if i != 0]
+    if ids == real and real != want:
+        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want} ({want_len} tokens): one entry per "
+             "block of the hit, from block 0 on: pool.null_block for every block before the run")
+    if ids == want and length == len(real) * bs:
+        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want}): the null blocks count too, "
+             "hit_length = len(blocks) * block_size (the hit covers the whole prefix up to the run's end)")
+    if not ids and want and want[0] != 0:
+        fail(f"{head} returned no hit, expected {want} ({want_len} tokens): a run shorter than "
+             f"{need} block(s) still counts when it reaches block 0, since the window has nothing before it to read")
     if length != want_len:
         fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want})")
     if len(ids) != len(want):
@@ -258,18 +302,28 @@ def check_hit_hidden(find_longest_sliding_hit):
 # 4. max_admission_blocks_per_request
 # --------------------------------------------------------------------------------------------------------
 def _max_blocks_hint(args) -> Callable[[Any], str | None]:
+    """Names every known mistake the wrong count matches: some coincide whenever they are wrong (no ``+ 1``,
+    rounding down, and the ``+ 1`` added before the ``max_model_len`` cap give the same count), so all are said."""
     w, b, f, m = args
+    want = reference_max_blocks(w, b, f, m)
+    mistakes = [
+        (cdiv(min(w - 1 + f, m), b), "one block more: the window need not start at a block boundary ([xxCD][EF..] "
+                                     "holds CDEF)"),
+        (cdiv(w - 1 + f, b) + 1, "never more than max_model_len tokens"),
+        (cdiv(min(w + f, m), b) + 1, "sliding_window - 1 tokens before the new ones, not sliding_window"),
+        (min(w - 1 + f, m) // b + 1, "round the tokens up to whole blocks (cdiv), not down"),
+        (cdiv(min(w - 1, m), b) + 1, "the tokens in flight count too: blocks are released on the processed basis, "
+                                     "so up to max_in_flight_tokens scheduled tokens sit after the window's "
+                                     "sliding_window - 1"),
+        (min(cdiv(w - 1, b) + cdiv(f, b), cdiv(m, b)) + 1, "add the tokens first, then round up once: "
+                                                           "cdiv(sliding_window - 1 + max_in_flight_tokens, ...)"),
+        (min(cdiv(w - 1 + f, b) + 1, cdiv(m, b)), "cap the tokens at max_model_len first, then add the one block: "
+                                                  "cdiv(min(...), block_size) + 1"),
+    ]  # fmt: skip
 
     def hint(got: Any) -> str | None:
-        if got == cdiv(min(w - 1 + f, m), b):
-            return "one block more: the window need not start at a block boundary ([xxCD][EF..] holds CDEF)"
-        if got == cdiv(w - 1 + f, b) + 1:
-            return "never more than max_model_len tokens"
-        if got == cdiv(min(w + f, m), b) + 1:
-            return "sliding_window - 1 tokens before the new ones, not sliding_window"
-        if got == min(w - 1 + f, m) // b + 1:
-            return "round the tokens up to whole blocks (cdiv), not down"
-        return None
+        said = [why for wrong, why in mistakes if got == wrong != want]
+        return ". Or: ".join(dict.fromkeys(said)) or None
 
     return hint
 
@@ -277,7 +331,7 @@ def _max_blocks_hint(args) -> Callable[[Any], str | None]:
 def check_max_blocks_examples(max_admission_blocks_per_request):
     require_function(max_admission_blocks_per_request, "max_admission_blocks_per_request")
     cases = [((128, 16, 16384, 131072), 1033), ((4096, 16, 16384, 32768), 1281), ((8, 4, 8, 4096), 5),
-             ((1024, 16, 16384, 8192), 513), ((4, 4, 1, 100), 2)]  # fmt: skip
+             ((1024, 16, 16384, 8192), 513), ((6, 4, 6, 100), 4), ((4, 4, 1, 100), 2)]  # fmt: skip
     for args, want in cases:
         expect_equal(max_admission_blocks_per_request, args, want, hint=_max_blocks_hint(args), timeout=2)
 
@@ -305,6 +359,12 @@ def _group_hint(layer_types) -> Callable[[Any], str | None]:
             return ("a model of one attention type is one group holding every layer, in order: vLLM 0.26 puts all "
                     "layers of a uniform spec in one KVCacheGroupSpec (kv_cache_utils.py, "
                     "_get_kv_cache_groups_uniform_spec)")  # fmt: skip
+        want = reference_group_layers(layer_types)
+        with contextlib.suppress(TypeError):  # the right groups, the types in another order
+            if got != want and sorted(got, key=repr) == sorted(want, key=repr):
+                order = " then ".join(f"{t!r} (from layer {v[0]})" for t, v in same.items())
+                return (f"the right groups in another order: the types in order of first appearance, {order}, and "
+                        "each type's groups in order, group i holding layers[i::num_groups]")  # fmt: skip
         g = min(len(v) for v in same.values())
         chunks = [v[i : i + g] for v in same.values() for i in range(0, len(v), g)]
         if got == chunks:
@@ -317,9 +377,12 @@ def _group_hint(layer_types) -> Callable[[Any], str | None]:
                     "smallest count")
         if got == list(same.values()):
             return "one group per type is too coarse: every group must hold about group_size layers"
-        if big < g * 1.5:
+        if big < g * 1.5 and got == reference_group_layers(layer_types, pad=False):
             return (f"the types' layer counts are close ({g} and {big}): vLLM then uses the largest as the group "
                     "size, padding the smaller type, instead of cutting the larger in two")
+        if got == reference_group_layers(layer_types, round_up=False):
+            return ("round the number of groups up, cdiv(len(layers), group_size): with len(layers) // group_size "
+                    "some groups hold more than group_size layers (vLLM pads the last groups instead)")
         return None
 
     return hint

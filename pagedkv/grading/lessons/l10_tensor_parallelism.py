@@ -5,7 +5,8 @@ Every expected value comes from :mod:`pagedkv.distributed` (``kv_head_shard``, `
 ``unify_num_blocks``; tested in ``tests/test_tensor_parallel.py``). Each check also computes the answers of the
 plausible mistakes -- heads split without replication (ranks past the last head get heads that do not exist, or
 none), replicas interleaved instead of neighbouring, ``num_kv_heads / tp`` as a float, an MLA latent split over
-the ranks or counted twice as K and V, the largest or the sum of the ranks' counts instead of the smallest --
+the ranks or counted twice as K and V, a page for every layer or of 2-byte values whatever ``dtype_bytes``, the
+largest, the sum or the average of the ranks' counts instead of the smallest --
 and names the mistake when the learner's answer equals one. Small known cases first, then every small
 combination, then (hidden) larger ones.
 """
@@ -66,6 +67,10 @@ def _heads_mistakes(h: int, tp: int, rank: int) -> list[tuple[list[int], str]]:
         (list(range(rank * (h // tp), (rank + 1) * (h // tp))),
          f"num_kv_heads // tp is 0 here ({h} // {tp}): every rank still needs the one KV head its query heads read"),
     ]  # fmt: skip
+    if tp <= h:
+        out.append((list(range(rank, h, tp)), f"rank {rank} holds {n} NEIGHBOURING heads, rank * {n} .. "
+                                              f"rank * {n} + {n - 1}, not one head in every {tp}: its query heads "
+                                              "are neighbours, and so are the KV heads they read"))
     if split and split[-1] >= h:
         out.insert(0, (split, f"with {tp} ranks and {h} KV head(s), splitting by rank * {n} gives rank {rank} heads "
                               f"past the last one ({h - 1}): when tp exceeds the KV heads, each head is replicated on "
@@ -143,6 +148,10 @@ def _page_mistakes(config: dict[str, Any], tp: int, block_size: int, nbytes: int
                                                                      config["num_attention_heads"]) * nbytes,
              "an MLA model (kv_lora_rank in its config) caches the latent, not num_key_value_heads heads"),
             (block_size * config["kv_lora_rank"] * nbytes, "the latent is kv_lora_rank + qk_rope_head_dim values"),
+            (right * config["num_hidden_layers"], f"that is the page of all {config['num_hidden_layers']} layers: "
+                                                  "return ONE layer's page (the pool divides by the layers itself)"),
+            *([(right // nbytes * 2, f"multiply by dtype_bytes ({nbytes}), the bytes of one value, not by 2")]
+              if nbytes != 2 else []),
         ] if v != right]  # fmt: skip
     h, heads = config["num_key_value_heads"], config["num_attention_heads"]
     d = config.get("head_dim") or config["hidden_size"] // heads
@@ -156,6 +165,12 @@ def _page_mistakes(config: dict[str, Any], tp: int, block_size: int, nbytes: int
         (2 * block_size * h * d * nbytes, "that is the one-GPU page: each rank holds only its share of the KV heads"),
         (block_size * max(1, h // tp) * d * nbytes, "a block stores keys AND values: the factor 2"),
         (2 * block_size * max(1, heads // tp) * d * nbytes, "only the KV heads are cached, not the query heads"),
+        (2 * block_size * max(1, h // tp) * (config["hidden_size"] // h) * nbytes,
+         "head_dim is hidden_size // num_attention_heads (the query heads' count), not // num_key_value_heads"),
+        (right * config["num_hidden_layers"], f"that is the page of all {config['num_hidden_layers']} layers: "
+                                              "return ONE layer's page (the pool divides by the layers itself)"),
+        *([(right // nbytes * 2, f"multiply by dtype_bytes ({nbytes}), the bytes of one value, not by 2")]
+          if nbytes != 2 else []),
     ] if v != right]  # fmt: skip
 
 
@@ -174,10 +189,10 @@ def _check_page(fn: Callable, config: dict[str, Any], tp: int, block_size: int, 
     message = f"{call} returned {describe(got)}, expected {want}"
     if got is None:
         fail(f"{message}. {STUB_NOTE}")
-    hints = [why for wrong, why in _page_mistakes(config, tp, block_size, nbytes) if got == wrong]
+    hints = list(dict.fromkeys(why for wrong, why in _page_mistakes(config, tp, block_size, nbytes) if got == wrong))
     if not is_int(got) and not hints:
         fail(message + f" (expected an int, got {type(got).__name__})")
-    fail(f"{message}. Hint: {hints[0]}" if hints else message + ".")
+    fail(f"{message}. Hint: {'. Or: '.join(hints)}" if hints else message + ".")
 
 
 def check_page_dense(kv_page_bytes_per_rank: Any) -> None:
@@ -241,8 +256,17 @@ def _check_pool(fn: Callable, available: list[int], page: int, layers: int) -> N
                                            "block, so the pool is the smallest rank's count"),
         (min(available) // page, "divide by the number of layers too: each layer has its own page per block"),
         (per_rank[0], "that is rank 0's count: the pool is the smallest over ALL ranks"),
+        (want * len(available), f"that is the smallest count times the {len(available)} ranks: every rank holds "
+                                "every block, so the pool is one rank's count"),
+        (sum(available) // len(available) // page // layers, "that is the ranks' average: a block id must exist on "
+                                                              "every rank, so the pool is the smallest count"),
+        (min(available) // page // layers // 2, "the page already holds the keys and the values (exercise 2's "
+                                                "factor 2): do not halve again"),
+        (min(round(a / page / layers) for a in available), "round down (//): part of a block is no block"),
     ]  # fmt: skip
     hints = [why for wrong, why in mistakes if got == wrong and wrong != want]
+    if not hints and not is_int(got):
+        fail(f"{message} (expected an int: whole blocks, floor division //).")
     fail(f"{message}. Hint: {hints[0]}" if hints else message + ".")
 
 
