@@ -168,6 +168,17 @@ BAD = [
     (b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
     (b'[1, 2]', 400, None),
     (b'{"prompt": "hi", "cache_salt": ""}', 400, "cache_salt"),
+    # vLLM 0.26's own refusals, with its param (the lab served these, or named another field)
+    (b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options"),
+    (json.dumps({"prompt": [3] * 10, "max_tokens": MAX_MODEL_LEN + 1}).encode(), 400, "max_tokens"),
+    (b'{"prompt": "hi", "n": 2, "temperature": 0}', 400, "n"),
+    (b'{"prompt": "hi", "n": 16385}', 400, "n"),
+    (b'{"prompt": "hi", "stop": 5}', 400, "body.stop"),
+    (json.dumps({"prompt": [[1]] * 1025}).encode(), 400, "prompt"),
+    # what the lab's engine cannot serve is refused, not ignored
+    (b'{"prompt": "hi", "min_tokens": 4}', 400, "min_tokens"),
+    (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
+    (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
 ]
 
 
@@ -184,13 +195,91 @@ def test_bad_requests_get_openai_errors_and_change_nothing(srv, body, status, pa
 
 
 def test_bad_chat_requests(srv):
-    for body, status in (({"messages": []}, 400), ({"messages": "hi"}, 400), ({"model": "x", "messages": [
-            {"role": "user", "content": "hi"}]}, 404), ({"messages": [{"content": "no role"}]}, 400)):
+    hi = [{"role": "user", "content": "hi"}]
+    for body, status, param in (
+            ({"messages": []}, 400, None), ({"messages": "hi"}, 400, None), ({"model": "x", "messages": hi}, 404, None),
+            ({"messages": [{"content": "no role"}]}, 400, None),
+            ({"messages": hi, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+            ({"messages": hi, "max_completion_tokens": MAX_MODEL_LEN + 1}, 400, "max_completion_tokens"),
+            ({"messages": hi, "max_tokens": MAX_MODEL_LEN + 1}, 400, "max_tokens"),
+            ({"messages": hi, "n": 3, "temperature": 0.0}, 400, "n"),
+            ({"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 400, None),
+            ({"messages": hi, "continue_final_message": True}, 400, None),  # the template refuses the pair
+            ({"messages": hi, "logprobs": True}, 400, "logprobs")):
         r = srv.client.post("/v1/chat/completions", json=body)
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["code"] == status
+        if param is not None:
+            assert r.json()["error"]["param"] == param, (body, r.text)
     assert srv.client.get("/nope").status_code == 404
     assert srv.client.get("/nope").json()["error"]["code"] == 404
+
+
+def test_vllm_wire_format_of_chunks_ids_and_defaults(srv):
+    """What vLLM 0.26 sends, field for field, where the lab differed: ``"max_tokens": null`` is the default 16
+    (``CompletionRequest.normalize_null_max_tokens``; the lab ran to ``max_model_len``); every stream chunk has
+    ``object`` and ``logprobs`` and, with ``return_token_ids``, the prompt's ids on a choice's first chunk
+    (``completion_stream_generator``, ``chat_completion_stream_generator``); the usage chunk drops its nulls;
+    chat answers ``return_token_ids`` too; ``continue_final_message`` renders the last message open."""
+    assert completion(srv, prompt=[1, 2, 3], max_tokens=None)["usage"]["completion_tokens"] == 16
+    body = completion(srv, prompt=[[4, 5, 6], [7, 8]], max_tokens=3, temperature=0, return_token_ids=True)
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [[4, 5, 6], [7, 8]]
+    plain = completion(srv, prompt=[4, 5, 6], max_tokens=3, temperature=0)["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None and plain["logprobs"] is None
+    r = srv.client.post("/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 3, "temperature": 0,
+                                                 "stream": True, "return_token_ids": True,
+                                                 "stream_options": {"include_usage": True}})
+    events = sse(r.text)
+    assert all(e["object"] == "text_completion" for e in events)
+    assert all("logprobs" in e["choices"][0] and e["choices"][0]["logprobs"] is None for e in events[:-1])
+    assert events[0]["choices"][0]["prompt_token_ids"] == [4, 5, 6]
+    assert all(e["choices"][0]["prompt_token_ids"] is None for e in events[1:-1])
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == body["choices"][0]["token_ids"]
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}  # the fixture enables details
+    assert events[-1]["choices"] == [] and events[-1]["object"] == "text_completion"
+    hi = [{"role": "user", "content": "hi"}]
+    chat = srv.client.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 3, "temperature": 0,
+                                                         "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 3
+    r = srv.client.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 3, "temperature": 0,
+                                                      "stream": True, "return_token_ids": True})
+    events = sse(r.text)
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
+    assert "stop_reason" not in events[1]["choices"][0] and "stop_reason" in events[-1]["choices"][0]
+    open_ = srv.client.post("/v1/chat/completions", json={
+        "messages": [*hi, {"role": "assistant", "content": "Once upon"}], "max_tokens": 2, "temperature": 0,
+        "continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}).json()
+    text = tiny_tokenizer().decode(open_["prompt_token_ids"])
+    assert text.endswith("<|assistant|>Once upon"), text
+    idle(srv)
+
+
+def test_clients_may_reuse_a_request_id_and_must_send_json(srv):
+    """vLLM 0.26 adds 8 random characters to the caller's ``request_id`` (``InputProcessor.assign_request_id``),
+    so concurrent requests with one id all run; the lab answered the second with 400 "already in use" (an error
+    event when streamed). A body that is not ``application/json`` is a 400 (``validate_json_request``)."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "request_id": "same"}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=srv.base, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={**body, "stream": stream})
+                                          for stream in (False, False, True, True)))
+
+    results = asyncio.run(go())
+    assert [r.status_code for r in results] == [200] * 4
+    assert [r.json()["id"] for r in results[:2]] == ["cmpl-same"] * 2
+    texts = [r.json()["choices"][0]["text"] for r in results[:2]]
+    texts += ["".join(c["text"] for e in sse(r.text) for c in e["choices"]) for r in results[2:]]
+    assert len(set(texts)) == 1
+    r = srv.client.post("/v1/completions", content=b'{"prompt": [1], "max_tokens": 2}',
+                        headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
+    idle(srv)
 
 
 def test_disconnects_abort_and_free_blocks(srv):

@@ -30,7 +30,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -76,21 +76,53 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(error_body(str(exc), err_type, status, param), status_code=int(status))
 
 
+#: pydantic-core's names for its own wrappers and union branches, which are no field of the body (vLLM's
+#: ``_INTERNAL_LOC_MARKERS``, ``vllm/entrypoints/serve/utils/server_utils.py``)
+_INTERNAL_LOC_MARKERS = frozenset({
+    "function-wrap", "function-after", "function-before", "function-plain", "json-or-python", "lax-or-strict",
+    "chain", "default", "nullable", "tagged-union", "union", "call", "arguments", "is-instance", "is-subclass",
+    "callable", "str", "int", "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset",
+    "complex", "none", "nonetype",
+})
+
+
+def clean_loc_for_param(loc: Sequence[Any]) -> str:
+    """A validation error's ``loc`` as a dotted ``param``, without pydantic's wrapper and union-branch segments:
+    ``("body", "stop", "str")`` -> ``"body.stop"``. Mirrors ``clean_loc_for_param``."""
+    parts = [str(p) for p in loc
+             if not any(c in str(p) for c in "[]{}()") and str(p).lower() not in _INTERNAL_LOC_MARKERS]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
 def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """vLLM's message for a body that fails validation: ``N validation error(s):`` then one line each, and the
-    first error's location as ``param`` (``validation_exception_handler``)."""
+    """vLLM's message for a body that fails validation: ``N validation error(s):`` then one line each; ``param``:
+    the ``parameter`` of the first error a request validator raised (an :class:`InvalidRequestError`), else the
+    first error's location (``validation_exception_handler``)."""
     if not errors:
         return "Validation error", None
     label = "error" if len(errors) == 1 else "errors"
     lines = []
+    param = None
     for e in errors:
-        e = dict(e)
-        e.pop("url", None)
-        e.pop("ctx", None)
+        if isinstance(e, dict):
+            e = dict(e)
+            e.pop("url", None)
+            ctx_error = (e.pop("ctx", None) or {}).get("error")
+            if param is None and isinstance(ctx_error, InvalidRequestError):
+                param = ctx_error.parameter
         lines.append(f"  {e}")
-    loc = errors[0].get("loc") if isinstance(errors[0], dict) else None
-    param = ".".join(str(p) for p in loc if not any(c in str(p) for c in "[]{}()")) if loc else None
+    loc = errors[0].get("loc") if isinstance(errors[0], dict) else None  # validate_json_request's are strings
+    if param is None and loc:
+        param = clean_loc_for_param(loc)
     return f"{len(errors)} validation {label}:\n" + "\n".join(lines), param
+
+
+async def validate_json_request(raw_request: Request) -> None:
+    """A POST body must be ``application/json`` (a 400 otherwise, before the body is read as a request). Mirrors
+    ``validate_json_request`` (``vllm/entrypoints/serve/utils/api_utils.py``), its message."""
+    content_type = raw_request.headers.get("content-type", "").lower()
+    if content_type.split(";", maxsplit=1)[0] != "application/json":
+        raise RequestValidationError(errors=["Unsupported Media Type: Only 'application/json' is allowed"])
 
 
 async def _listen_for_disconnect(request: Request) -> None:
@@ -148,13 +180,12 @@ class OpenAIServing:
 
     @staticmethod
     def check_supported(request: P._SamplingFields) -> None:
-        if request.logprobs not in (None, False):
-            raise ServingError("logprobs are not supported by this server", HTTPStatus.BAD_REQUEST, "logprobs")
-        if request.use_beam_search:
-            raise ServingError("beam search is not supported by this server", HTTPStatus.BAD_REQUEST,
-                               "use_beam_search")
-        if getattr(request, "echo", False):
-            raise ServingError("echo is not supported by this server", HTTPStatus.BAD_REQUEST, "echo")
+        """A 400 naming the first field set to something the engine cannot serve (``protocol.UNSERVED``: vLLM
+        serves them; the lab refuses rather than answer as if the field were not there)."""
+        name = request.unserved()
+        if name is not None:
+            raise ServingError(f"{name} is not supported by this server (the lab's engine cannot serve it)",
+                               HTTPStatus.BAD_REQUEST, name)
         if request.n < 1:
             raise ServingError(f"n must be at least 1, got {request.n}.", HTTPStatus.BAD_REQUEST, "n")
 
@@ -191,8 +222,14 @@ class OpenAIServing:
             if isinstance(content, list):  # OpenAI's content parts: keep the text ones
                 content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
             messages.append({"role": m.role, "content": content or ""})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=request.add_generation_prompt)
+        try:  # the template's refusals (jinja2's TemplateError too) are the request's fault: a 400, as in vLLM
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=request.add_generation_prompt,
+                                                      continue_final_message=request.continue_final_message)
+        except Exception as exc:  # noqa: BLE001 - create_error_response's ValueError and TemplateError cases
+            if not isinstance(exc, ValueError) and not any(c.__name__ == "TemplateError" for c in type(exc).__mro__):
+                raise
+            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST) from None
         return self.tokenize(text, add_special_tokens=False)
 
     @staticmethod
@@ -211,11 +248,19 @@ class OpenAIServing:
             param = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, param) from None
 
-    def prepare(self, request: P._SamplingFields, prompts: list[list[int]], max_tokens: int | None
-                ) -> list[SamplingParams]:
-        """Check each prompt and make its sampling parameters; raises before anything is queued."""
+    def prepare(self, request: P._SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+                max_tokens_param: str = "max_tokens") -> list[SamplingParams]:
+        """Check each prompt and make its sampling parameters; raises before anything is queued. ``max_tokens``
+        above ``max_model_len`` is refused first, naming ``max_tokens_param`` (chat's ``max_completion_tokens``
+        when that is the one given), with vLLM's message (``TokenizeParams.__post_init__``,
+        ``vllm/renderers/params.py``; its f-string prints ``max_total_tokens=`` too)."""
         self.check_model(request.model)
         self.check_supported(request)
+        limit = self.engine.max_model_len
+        if max_tokens is not None and max_tokens > limit:
+            raise ServingError(f"{max_tokens_param}={max_tokens} cannot be greater than max_model_len="
+                               f"max_total_tokens={limit}. Please request fewer output tokens.",
+                               HTTPStatus.BAD_REQUEST, max_tokens_param)
         stop = request.stop_list()
         if stop and self.tokenizer is None:
             raise ServingError("stop strings need a tokenizer; this model has none: use stop_token_ids",
@@ -315,8 +360,13 @@ class CompletionRun:
         return sum(map(len, self.token_ids))
 
 
-def _sse(obj: Any) -> str:
-    data = obj.model_dump_json(exclude_unset=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+def _sse(obj: Any, final: bool = False) -> str:
+    """One server-sent event. A chunk carries the fields set on it (vLLM sets ``object``, ``logprobs`` and the
+    token-id fields on every chunk, ``null`` when not asked for); the ``final`` usage chunk drops its ``null`` ones
+    (vLLM dumps it ``exclude_none=True``)."""
+    if not hasattr(obj, "model_dump_json"):
+        return f"data: {json.dumps(obj)}\n\n"
+    data = obj.model_dump_json(exclude_none=True) if final else obj.model_dump_json(exclude_unset=True)
     return f"data: {data}\n\n"
 
 
@@ -394,7 +444,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         snap = await engine.call_between_steps(engine.llm.scheduler.snapshot)
         return JSONResponse(json.loads(json.dumps(snap, default=str)))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(validate_json_request)])
     @with_cancellation
     async def create_completion(request: P.CompletionRequest, raw_request: Request) -> Any:
         prompts = serving.render_completion(request)
@@ -411,17 +461,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                 run = CompletionRun(num_choices * len(prompts))
                 async for p, d in merged:
                     i = p * num_choices + d.index
+                    first = not run.token_ids[i] and run.finish[i] is None  # the prompt's ids ride on it
                     run.add(i, d)
                     yield _sse(P.CompletionStreamResponse(
-                        id=request_id, created=created, model=serving.model_name,
+                        id=request_id, object="text_completion", created=created, model=serving.model_name,
                         choices=[P.CompletionResponseStreamChoice(
-                            index=i, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                            **({"token_ids": d.token_ids} if with_ids else {}))]))
+                            index=i, text=d.text, logprobs=None, finish_reason=d.finish_reason,
+                            stop_reason=d.stop_reason, prompt_token_ids=prompts[p] if with_ids and first else None,
+                            token_ids=d.token_ids if with_ids else None)]))
                 if include_usage:
                     yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=serving.model_name,
                                                           choices=[], usage=serving.usage(prompts,
                                                                                           run.completion_tokens,
-                                                                                          run.cached)))
+                                                                                          run.cached)),
+                               final=True)
 
             return StreamingResponse(_stream_with_error(stream()), media_type="text/event-stream")
 
@@ -431,43 +484,47 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         choices = [
             P.CompletionResponseChoice(index=i, text=run.text[i], finish_reason=run.finish[i],
                                        stop_reason=run.stop_reason[i],
-                                       **({"token_ids": run.token_ids[i]} if with_ids else {}))
+                                       prompt_token_ids=prompts[i // num_choices] if with_ids else None,
+                                       token_ids=run.token_ids[i] if with_ids else None)
             for i in range(len(run.text))
         ]
         body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
                                     usage=serving.usage(prompts, run.completion_tokens, run.cached))
         return JSONResponse(body.model_dump(exclude_none=False))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)])
     @with_cancellation
     async def create_chat_completion(request: P.ChatCompletionRequest, raw_request: Request) -> Any:
         prompt = serving.render_chat(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = serving.prepare(request, [prompt], max_tokens)
+        params = serving.prepare(request, [prompt], max_tokens, "max_tokens" if request.max_completion_tokens is None
+                                 else "max_completion_tokens")
         request_id = f"chatcmpl-{request.request_id}"
         created = int(time.time())
         merged = merge_async_iterators(*serving.generators(request, request_id, [prompt], params))
+        with_ids = bool(request.return_token_ids)
+        chunk = functools.partial(P.ChatCompletionStreamResponse, id=request_id, object="chat.completion.chunk",
+                                  created=created, model=serving.model_name)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
             async def stream() -> AsyncIterator[str]:
                 run = CompletionRun(request.n)
-                for i in range(request.n):
-                    yield _sse(P.ChatCompletionStreamResponse(
-                        id=request_id, created=created, model=serving.model_name,
-                        choices=[P.ChatCompletionResponseStreamChoice(
-                            index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
+                for i in range(request.n):  # the role first, and the prompt's ids once (vLLM's first chunks)
+                    yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
+                        index=i, delta=P.DeltaMessage(role="assistant", content=""), logprobs=None,
+                        finish_reason=None)], prompt_token_ids=prompt if with_ids else None))
                 async for _, d in merged:
                     run.add(d.index, d)
-                    yield _sse(P.ChatCompletionStreamResponse(
-                        id=request_id, created=created, model=serving.model_name,
-                        choices=[P.ChatCompletionResponseStreamChoice(
-                            index=d.index, delta=P.DeltaMessage(content=d.text), finish_reason=d.finish_reason,
-                            stop_reason=d.stop_reason)]))
+                    ids = {"token_ids": d.token_ids if with_ids else None}
+                    if d.finish_reason is not None:  # only the last chunk of a choice has its stop_reason
+                        ids["stop_reason"] = d.stop_reason
+                    yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
+                        index=d.index, delta=P.DeltaMessage(content=d.text), logprobs=None,
+                        finish_reason=d.finish_reason, **ids)]))
                 if include_usage:
-                    yield _sse(P.ChatCompletionStreamResponse(
-                        id=request_id, created=created, model=serving.model_name, choices=[],
-                        usage=serving.usage([prompt], run.completion_tokens, run.cached)))
+                    yield _sse(chunk(choices=[], usage=serving.usage([prompt], run.completion_tokens, run.cached)),
+                               final=True)
 
             return StreamingResponse(_stream_with_error(stream()), media_type="text/event-stream")
 
@@ -475,10 +532,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         async for _, d in merged:
             run.add(d.index, d)
         choices = [P.ChatCompletionResponseChoice(index=i, message=P.ChatMessageOut(content=run.text[i]),
-                                                  finish_reason=run.finish[i], stop_reason=run.stop_reason[i])
+                                                  finish_reason=run.finish[i], stop_reason=run.stop_reason[i],
+                                                  token_ids=run.token_ids[i] if with_ids else None)
                    for i in range(request.n)]
         body = P.ChatCompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
-                                        usage=serving.usage([prompt], run.completion_tokens, run.cached))
+                                        usage=serving.usage([prompt], run.completion_tokens, run.cached),
+                                        prompt_token_ids=prompt if with_ids else None)
         return JSONResponse(body.model_dump())
 
     return app

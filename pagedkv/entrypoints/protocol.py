@@ -4,9 +4,14 @@ Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/op
 (``CompletionRequest``, ``CompletionResponse``, ``CompletionStreamResponse``),
 ``vllm/entrypoints/openai/chat_completion/protocol.py`` (``ChatCompletionRequest``) and
 ``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``).
-Only the fields the lab's engine can honour are declared; as in vLLM, any other field is accepted and ignored
-(``OpenAIBaseModel`` has ``extra="allow"``). A field the lab declares but cannot serve (``logprobs``,
-``echo``, beam search) is refused with a 400 rather than silently ignored.
+The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve (``logprobs``,
+``echo``, beam search, the penalties, ``min_p``, ``min_tokens``, ``logit_bias``, ...: :data:`UNSERVED`), with
+vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
+if it had not (a deliberate difference: vLLM serves them). As in vLLM, any other field is accepted and ignored
+(``OpenAIBaseModel`` has ``extra="allow"``). vLLM's ``mode="before"`` request validators are here with their
+messages and ``param`` (``validate_stream_options``, ``normalize_null_max_tokens``,
+``validate_prompt_list_length``, ``check_generation_prompt``); they raise :class:`~pagedkv.engine.async_llm.
+InvalidRequestError` (vLLM's ``VLLMValidationError``), whose ``parameter`` the server reports.
 """
 
 from __future__ import annotations
@@ -15,9 +20,23 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedkv.engine.async_llm import InvalidRequestError
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: The most prompts one ``/v1/completions`` request may list: vLLM 0.26's ``VLLM_MAX_COMPLETION_PROMPTS`` default.
+MAX_COMPLETION_PROMPTS = 1024
+
+#: vLLM's request fields the lab's engine cannot serve, and the values that ask for nothing (vLLM's defaults, and
+#: what a client sends to mean "off"); any other value is refused with a 400 naming the field.
+UNSERVED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
+    "min_p": (None, 0.0), "min_tokens": (None, 0), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "suffix": (None, ""), "top_logprobs": (None, 0), "use_beam_search": (False,), "echo": (None, False),
+    "logprobs": (None, False),
+}
 
 
 def random_uuid() -> str:
@@ -96,6 +115,19 @@ class _SamplingFields(OpenAIBaseModel):
     request_id: str = Field(default_factory=random_uuid)
     return_token_ids: bool | None = False  # vLLM 0.26: each choice carries its token ids
 
+    @model_validator(mode="before")
+    @classmethod
+    def validate_stream_options(cls, data: Any) -> Any:
+        """vLLM's ``validate_stream_options``: ``stream_options`` only with ``stream``."""
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise InvalidRequestError("Stream options can only be defined when `stream=True`.", "stream_options")
+        return data
+
+    def unserved(self) -> str | None:
+        """The first field of :data:`UNSERVED` this request sets to a value the engine cannot serve."""
+        fields = {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
+        return next((k for k, ok in UNSERVED.items() if k in fields and fields[k] not in ok), None)
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -112,6 +144,27 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool | None = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def normalize_null_max_tokens(cls, data: Any) -> Any:
+        """vLLM's ``normalize_null_max_tokens``: ``"max_tokens": null`` means the default, 16 (not "all the room
+        ``max_model_len`` leaves", which is chat's ``None``)."""
+        if isinstance(data, dict) and data.get("max_tokens") is None:
+            data = {**data, "max_tokens": cls.model_fields["max_tokens"].default}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def validate_prompt_list_length(cls, data: Any) -> Any:
+        """vLLM's ``validate_prompt_list_length``: at most :data:`MAX_COMPLETION_PROMPTS` prompts in a list."""
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if (isinstance(prompt, list) and len(prompt) > MAX_COMPLETION_PROMPTS
+                and not all(isinstance(p, int) for p in prompt)):
+            raise InvalidRequestError(
+                f"prompt list length {len(prompt)} exceeds the maximum allowed count of {MAX_COMPLETION_PROMPTS}. "
+                "To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.", "prompt")
+        return data
+
 
 class ChatMessage(OpenAIBaseModel):
     role: str
@@ -125,6 +178,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_generation_prompt(cls, data: Any) -> Any:
+        """vLLM's ``check_generation_prompt`` (its message; no ``param``): both set to true in the body. With
+        ``add_generation_prompt`` left at its default (True) the chat template refuses the pair instead."""
+        if isinstance(data, dict) and data.get("continue_final_message") and data.get("add_generation_prompt"):
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return data
 
 
 class CompletionResponseChoice(OpenAIBaseModel):
@@ -133,7 +196,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # lab extension (vLLM returns them with return_token_ids)
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -151,6 +215,7 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: on a choice's first chunk
     token_ids: list[int] | None = None
 
 
@@ -174,6 +239,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -183,6 +249,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -196,6 +263,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -205,3 +273,4 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = Field(default=None)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: on the first chunks
