@@ -134,3 +134,21 @@ def test_a_bad_token_is_named_by_its_position(llm, prompts, where):
     with pytest.raises(ValueError, match=where):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert engine_state(llm) == before
+
+
+def test_the_engines_integer_arguments_take_numpy_ints_and_refuse_bools():
+    """``LLM`` checks its integer arguments with the lab's one predicate (``pagedkv.utils.is_int``): a numpy int
+    (what a sweep over ``np.arange`` passes) is an int and is stored as one; a bool is refused, before any work
+    (``tensor_parallel_size=True`` used to equal 1 and start an engine)."""
+    model = tiny_llama()
+    llm = LLM(model, num_gpu_blocks=np.int64(40), block_size=np.int32(8), max_model_len=np.int64(64),
+              max_num_seqs=np.uint8(4), seed=np.int64(0), tensor_parallel_size=np.int64(1))
+    assert [type(v) for v in (llm.num_gpu_blocks, llm.block_size, llm.max_model_len, llm.max_num_seqs)] == [int] * 4
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for name, value, message in [("num_gpu_blocks", True, r"num_gpu_blocks must be an int >= 2 \(block 0"),
+                                 ("block_size", True, r"block_size must be an int >= 1, got True"),
+                                 ("max_model_len", np.bool_(True), r"max_model_len must be an int in 2\.\.\d+"),
+                                 ("max_num_seqs", 2.0, r"max_num_seqs must be an int >= 1, got 2\.0"),
+                                 ("tensor_parallel_size", True, r"tensor_parallel_size must be an int >= 1, got True")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(model, **{"num_gpu_blocks": 40, "block_size": 8, "max_model_len": 64, name: value})

@@ -43,7 +43,7 @@ from pagedkv.sizing.hybrid import (
     get_kv_cache_groups,
     get_kv_cache_spec,
 )
-from pagedkv.utils import cdiv
+from pagedkv.utils import cdiv, check_int, is_int
 
 #: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE; the
 #: q/k norms of Qwen3, Gemma 3 and OLMo 3 are the model's own code). Mistral's layers all slide; Qwen2's and
@@ -90,10 +90,6 @@ def batch_defaults(device: torch.device) -> tuple[int, int]:
     if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
         return 16384, 1024
     return 8192, 256
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_token_list(p: object) -> bool:
@@ -170,10 +166,10 @@ class LLM:
         async_scheduling: bool = True,
         model_impl: str = "auto",
     ) -> None:
-        for name, value in (("block_size", block_size), ("seed", seed)) + (
-                (("max_num_seqs", max_num_seqs),) if max_num_seqs is not None else ()):
-            if not _is_int(value) or value < (0 if name == "seed" else 1):
-                raise ValueError(f"{name} must be an int >= {0 if name == 'seed' else 1}, got {value!r}")
+        block_size, seed = check_int(block_size, "block_size", 1), check_int(seed, "seed", 0)
+        tensor_parallel_size = check_int(tensor_parallel_size, "tensor_parallel_size", 1)  # True is not 1 here
+        if max_num_seqs is not None:
+            max_num_seqs = check_int(max_num_seqs, "max_num_seqs", 1)
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if attn_backend is not None and attn_backend not in BACKENDS:
@@ -205,8 +201,7 @@ class LLM:
         limit = getattr(config, "max_position_embeddings", None) or 2048
         if max_model_len is None:
             max_model_len = limit
-        if not _is_int(max_model_len) or not 1 < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an int in 2..{limit} for this model, got {max_model_len!r}")
+        max_model_len = check_int(max_model_len, "max_model_len", 2, limit, why="for this model")
         self.max_model_len = max_model_len
         default_tokens, default_seqs = batch_defaults(self.device)
         if max_num_batched_tokens is None:
@@ -221,7 +216,7 @@ class LLM:
         # also under tensor parallelism, where a sliding layer's window is only a mask and every block is kept)
         self.kv_cache_groups = self._kv_cache_groups() if tensor_parallel_size == 1 else None
         self.kv_cache_config = None
-        if num_gpu_blocks is None and _is_int(kv_cache_memory_bytes) and tensor_parallel_size == 1:
+        if num_gpu_blocks is None and is_int(kv_cache_memory_bytes) and tensor_parallel_size == 1:
             num_gpu_blocks = max(2, kv_cache_memory_bytes // self._block_bytes())  # vLLM's kv_cache_memory_bytes
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
@@ -235,9 +230,8 @@ class LLM:
             if num_gpu_blocks is None:
                 num_gpu_blocks = self._size_pool(
                     gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager)
-            elif not _is_int(num_gpu_blocks) or num_gpu_blocks < 2:
-                raise ValueError(
-                    f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {num_gpu_blocks!r}")
+            else:
+                num_gpu_blocks = check_int(num_gpu_blocks, "num_gpu_blocks", 2, why="block 0 is the null block")
             self.num_gpu_blocks = num_gpu_blocks
             if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
                 num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
@@ -288,8 +282,6 @@ class LLM:
         from pagedkv.distributed.shard import check_shardable
         from pagedkv.engine.multiproc_executor import MultiprocExecutor
 
-        if not _is_int(tensor_parallel_size) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         check_shardable(self.model.config, tensor_parallel_size)
         return MultiprocExecutor(self.model, tensor_parallel_size, self.device.type)
 
@@ -342,7 +334,7 @@ class LLM:
             ids = getattr(self.model.config, "eos_token_id", None)
         if ids is None:
             return frozenset()
-        return frozenset([ids] if _is_int(ids) else ids)
+        return frozenset([int(ids)] if is_int(ids) else ids)
 
     def _kv_cache_groups(self) -> list[KVCacheGroupSpec] | None:
         """The model's KV cache groups as vLLM 0.26 forms them (``pagedkv.sizing.hybrid.get_kv_cache_groups``:

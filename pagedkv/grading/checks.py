@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagedkv.utils import is_int  # the lab's one integer predicate: the checks of every set use it on answers
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "STUB_NOTE",
@@ -252,16 +254,6 @@ def run(
         fail(f"{label} did not return within {timeout:g} s: is there an infinite loop?")
     except Exception as exc:
         fail(f"{label} raised {type(exc).__name__}: {exc}{_where(exc)}")
-
-
-def is_int(x: Any) -> bool:
-    """Whether an answer is an integer: an ``int`` or a numpy integer (a scalar or a 0-d array), never a ``bool``.
-    The one test the checks of every set use on a learner's result."""
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, int):
-        return True
-    return type(x).__module__ == "numpy" and hasattr(x, "dtype") and x.dtype.kind in "iu" and x.ndim == 0
 
 
 def _mismatch(got: Any, expected: Any, rel: float, abs_tol: float) -> str | None:
