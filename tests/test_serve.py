@@ -259,6 +259,29 @@ def test_vllm_wire_format_of_chunks_ids_and_defaults(srv):
     idle(srv)
 
 
+def test_clients_may_reuse_a_request_id_and_must_send_json(srv):
+    """vLLM 0.26 adds 8 random characters to the caller's ``request_id`` (``InputProcessor.assign_request_id``),
+    so concurrent requests with one id all run; the lab answered the second with 400 "already in use" (an error
+    event when streamed). A body that is not ``application/json`` is a 400 (``validate_json_request``)."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "request_id": "same"}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=srv.base, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={**body, "stream": stream})
+                                          for stream in (False, False, True, True)))
+
+    results = asyncio.run(go())
+    assert [r.status_code for r in results] == [200] * 4
+    assert [r.json()["id"] for r in results[:2]] == ["cmpl-same"] * 2
+    texts = [r.json()["choices"][0]["text"] for r in results[:2]]
+    texts += ["".join(c["text"] for e in sse(r.text) for c in e["choices"]) for r in results[2:]]
+    assert len(set(texts)) == 1
+    r = srv.client.post("/v1/completions", content=b'{"prompt": [1], "max_tokens": 2}',
+                        headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
+    idle(srv)
+
+
 def test_disconnects_abort_and_free_blocks(srv):
     """A streaming client that goes away after two chunks, and a non-streaming one that times out: both requests
     are aborted, their blocks return to the pool, and the server answers the next request."""

@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -223,7 +224,8 @@ class AsyncLLM:
         checked by :meth:`check_prompt` (call it first). ``sampling_params`` is checked again here, as
         ``LLM.generate`` does (a field set to an invalid value after construction raises
         :class:`InvalidRequestError`, nothing queued), and the engine keeps its own copy. Cancelling or closing the
-        generator aborts whatever has not finished. Mirrors ``AsyncLLM.generate``."""
+        generator aborts whatever has not finished. ``request_id`` need not be unique: the engine's id for the
+        request is it plus 8 random characters, as in vLLM. Mirrors ``AsyncLLM.generate``."""
         if self.errored:
             raise EngineDeadError(f"the engine loop failed: {self.dead_error}")
         if stop and self.tokenizer is None:
@@ -233,7 +235,9 @@ class AsyncLLM:
             sampling_params = sampling_params.verified()  # the one check, SamplingParams._verify_args
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
-        base = request_id or f"req-{next(self._ids)}"
+        # the caller's id gets 8 random characters, so two clients sending the same request_id both run (vLLM's
+        # InputProcessor.assign_request_id); the lab's own ids are unique already
+        base = f"{request_id}-{uuid.uuid4().hex[:8]}" if request_id else f"req-{next(self._ids)}"
         n = sampling_params.n
         q: asyncio.Queue = asyncio.Queue()
         child_ids = [base if n == 1 else f"{base}-{j}" for j in range(n)]

@@ -30,7 +30,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -104,16 +104,25 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     lines = []
     param = None
     for e in errors:
-        e = dict(e)
-        e.pop("url", None)
-        ctx_error = (e.pop("ctx", None) or {}).get("error")
-        if param is None and isinstance(ctx_error, InvalidRequestError):
-            param = ctx_error.parameter
+        if isinstance(e, dict):
+            e = dict(e)
+            e.pop("url", None)
+            ctx_error = (e.pop("ctx", None) or {}).get("error")
+            if param is None and isinstance(ctx_error, InvalidRequestError):
+                param = ctx_error.parameter
         lines.append(f"  {e}")
-    loc = errors[0].get("loc") if isinstance(errors[0], dict) else None
+    loc = errors[0].get("loc") if isinstance(errors[0], dict) else None  # validate_json_request's are strings
     if param is None and loc:
         param = clean_loc_for_param(loc)
     return f"{len(errors)} validation {label}:\n" + "\n".join(lines), param
+
+
+async def validate_json_request(raw_request: Request) -> None:
+    """A POST body must be ``application/json`` (a 400 otherwise, before the body is read as a request). Mirrors
+    ``validate_json_request`` (``vllm/entrypoints/serve/utils/api_utils.py``), its message."""
+    content_type = raw_request.headers.get("content-type", "").lower()
+    if content_type.split(";", maxsplit=1)[0] != "application/json":
+        raise RequestValidationError(errors=["Unsupported Media Type: Only 'application/json' is allowed"])
 
 
 async def _listen_for_disconnect(request: Request) -> None:
@@ -435,7 +444,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         snap = await engine.call_between_steps(engine.llm.scheduler.snapshot)
         return JSONResponse(json.loads(json.dumps(snap, default=str)))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(validate_json_request)])
     @with_cancellation
     async def create_completion(request: P.CompletionRequest, raw_request: Request) -> Any:
         prompts = serving.render_completion(request)
@@ -483,7 +492,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                                     usage=serving.usage(prompts, run.completion_tokens, run.cached))
         return JSONResponse(body.model_dump(exclude_none=False))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)])
     @with_cancellation
     async def create_chat_completion(request: P.ChatCompletionRequest, raw_request: Request) -> Any:
         prompt = serving.render_chat(request)
