@@ -453,6 +453,13 @@ def test_bench_roof_flops_and_time_split(tmp_path):
             assert r["gflops"] == pytest.approx(r["flops"] / r["seconds"] / 1e9)
             assert r["pct_of_roof"] == pytest.approx(r["gflops"] / roof["gflops"])
         assert all(r["match"] == 1.0 for r in run["rows"])  # the engine on either decoder: the same tokens
+        kv = run["kv_roof"]  # the second roof: the K/V bytes over the measured read bandwidth
+        assert kv["kv_bytes"] == bench.kv_read_bytes(cfg, lens) and kv["gbps"] > 0
+        assert kv["seconds"] == pytest.approx(kv["kv_bytes"] / kv["gbps"] / 1e9)
+        engine = next(r for r in run["rows"] if r["impl"] == "pagedkv")
+        assert engine["pct_of_both_roofs"] == pytest.approx((roof["seconds"] + kv["seconds"]) / engine["seconds"])
+        attention_s = engine["step_times"]["attention_ms"] * engine["step_times"]["steps"] / 1e3
+        assert engine["attention_pct_of_kv_roof"] == pytest.approx(kv["seconds"] / attention_s)
         for impl in ("pagedkv", "pagedkv_transformers"):
             split = next(r for r in run["rows"] if r["impl"] == impl)["time_split"]
             assert list(split) == list(bench.SPLIT) and sum(split.values()) == pytest.approx(1.0)
@@ -463,6 +470,9 @@ def test_bench_roof_flops_and_time_split(tmp_path):
     flops = bench.count_flops(tiny, [3, 3], lm_head_rows=4)
     assert flops["layers"] == 2 * (8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16) * 8
     assert flops["attention"] == 4 * 2 * 4 * 2 * (1 + 2 + 3 + 4)
+    # K and V read: 1 layer, 1 KV head of 4, fp32, 2·4·4 = 32 bytes a position; each prompt reads its 3
+    # positions, then 4 at the one decode step fed back
+    assert bench.kv_read_bytes(tiny, [3, 3]) == 32 * 2 * (3 + 4)
     assert flops["lm_head"] == 2 * 8 * 10 * 4 and flops["total"] == sum(flops[k] for k in ("layers", "attention",
                                                                                            "lm_head"))
 

@@ -1,5 +1,6 @@
-"""The torch backend's decode read in place from the pool (``PoolDecode``) against the float64 reference, and the
-cases where it steps aside for the gathered groups (a shared block, blocks spread over the pool, no decode)."""
+"""The torch backend's PyTorch decode read in place from the pool (``PoolDecode``) against the float64 reference,
+and the cases where it steps aside for the gathered groups (a shared block, blocks spread over the pool, no
+decode). Where the compiled CPU kernel is built it serves the engine instead; these paths remain its fallback."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _step(seed: int, num_reqs: int, hkv: int, g: int, bs: int, spare: int):
         slot_mapping=torch.zeros(num_reqs, dtype=torch.long), block_tables=bt,
         seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         max_query_len=1, max_seq_len=max(lens), kv_caches=[(key_cache, value_cache)],
-        decode_req_idx=torch.arange(num_reqs), pool_decode=pool)
+        decode_req_idx=torch.arange(num_reqs), pool_decode=pool, decode_kernel=False)  # PyTorch's decode paths
     return query, key_cache, value_cache, meta
 
 

@@ -215,3 +215,18 @@ def test_more_max_blocks_mistakes_are_named(new: str, named: list[str]) -> None:
     expr = "cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size) + 1"
     passed, total, first = _points(_wrong("max_blocks", expr, new), "max_blocks")
     assert passed == 0 and all(n in first for n in named), first
+
+
+@pytest.mark.parametrize(
+    ("new", "named", "not_named"),
+    [
+        ("max(0, num_computed_tokens - sliding_window + 2)", "one too many", "swapped"),
+        ("max(0, sliding_window - num_computed_tokens + 1)", "arguments swapped", "one too many"),
+        # a constant 0 (an answer for the examples only) is not called num_computed_tokens - sliding_window
+        ("0 if (num_computed_tokens, sliding_window) != (7, 4) else 4", "returned 0, expected 1", "that is"),
+    ],
+)
+def test_skipped_mistakes_are_named(new: str, named: str, not_named: str) -> None:
+    r = _wrong("skipped_tokens", "max(0, num_computed_tokens - sliding_window + 1)", new)
+    passed, total, first = _points(r, "skipped_tokens")
+    assert passed == 0 and named in first and not_named not in first, first

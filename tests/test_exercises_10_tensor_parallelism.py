@@ -125,3 +125,9 @@ def test_more_pool_mistakes_are_named(new, hint):
     old = "return min(a // page_bytes // num_layers for a in available_per_rank)"
     first = _first_failure("pool_num_blocks", _variant("pool_num_blocks", old, new), public_only=True)
     assert hint in first, first
+
+
+def test_heads_in_decreasing_order_are_named():
+    wrong = _variant("kv_heads_of_rank", "list(range(rank * n, (rank + 1) * n))",
+                     "list(range((rank + 1) * n - 1, rank * n - 1, -1))")
+    assert "return them in increasing order" in _first_failure("kv_heads_of_rank", wrong, public_only=True)

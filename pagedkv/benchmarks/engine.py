@@ -38,6 +38,14 @@ layers on every real token, attention over the real context lengths, the LM head
 split (``time_split``) into the forward (layers and LM head), attention (every layer's attention call), sampling,
 scheduling, input preparation and the rest (taking samples back, outputs, the ``generate`` loop).
 
+**The second roof.** Decode attention does a few multiply-adds per byte of K and V it reads, so the matmul roof
+says nothing about it: its floor is the machine's read bandwidth. The run measures that too
+(:func:`measure_read_bandwidth`, a ``sum`` over 64 MiB) and counts the bytes the engine's attention must read
+(:func:`kv_read_bytes`); ``kv_roof["seconds"]`` is their quotient. The engine's rows then carry
+``attention_pct_of_kv_roof`` (that floor over its measured attention time) and ``pct_of_both_roofs`` (the matmul
+roof's seconds plus the bandwidth floor, over the run's wall time): what a perfect engine would take on this
+machine, against what this one took.
+
 The default (CPU) run repeats everything ``--runs`` times (3) and writes ``engine.json`` (and ``engine.png``) to
 ``--out DIR``, by default ``artifacts/bench_engine/<date>-<N>core/`` under the current folder (git-ignored, like
 the kernel benchmark's ``artifacts/bench_interpreter``; a run to keep beside the committed ones is
@@ -190,6 +198,38 @@ def measure_roof(model: torch.nn.Module, cfg: BenchConfig, steps: list[tuple[int
     flops = sum(per_token * t + 2 * head.shape[0] * head.shape[1] * r for t, r in steps)
     return {"seconds": seconds, "flops": float(flops), "gflops": flops / seconds / 1e9 if seconds else 0.0,
             "steps": len(steps), "step_tokens": sorted({t for t, _ in steps}), "repeats": repeats}
+
+
+def kv_read_bytes(cfg: BenchConfig, prompt_lens: list[int]) -> int:
+    """The bytes of K and V the paged engine's attention must read, counted from the config: every layer reads
+    a request's whole context once per step it is scheduled in, ``2·Hkv·D`` elements per position (K and V).
+    A prompt in one chunk reads its ``n`` positions; each decode step after it reads the context so far
+    (``n + 1``, ..., ``n + max_new_tokens - 1``: the last token is never fed back). A prompt split between two
+    steps (at ``max_num_batched_tokens``) reads its first chunk again: not counted, a few prompts of the default
+    bench, so the floor is a little low, never high."""
+    d = cfg.hidden_size // cfg.num_attention_heads
+    per_position = 2 * cfg.num_key_value_heads * d * torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
+    m = cfg.max_new_tokens
+    positions = sum(n + (m - 1) * n + (m - 1) * m // 2 for n in prompt_lens)  # n + sum_{j=1}^{m-1} (n + j)
+    return cfg.num_hidden_layers * per_position * positions
+
+
+def measure_read_bandwidth(cfg: BenchConfig, n_bytes: int = 64 << 20, repeats: int = 5) -> dict[str, Any]:
+    """The machine's read bandwidth, in the same process and thread count as the run: a ``sum`` over a
+    contiguous float32 tensor of ``n_bytes`` (best of ``repeats``). 64 MiB by default: more than a decode step's
+    K and V of every layer together (about 37 MB in the default bench), so it is read as the step reads them,
+    from beyond the core's own caches. The second roof: attention cannot take less than its bytes over this."""
+    x = torch.ones(n_bytes // 4, dtype=torch.float32, device=cfg.device)
+    x.sum()  # warm-up
+    _sync(cfg.device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(cfg.device)
+        times.append(time.perf_counter() - t0)
+    return {"gbps": n_bytes / min(times) / 1e9, "probe_bytes": n_bytes, "method": "torch.sum, best of "
+            f"{repeats}"}
 
 
 def build_model(cfg: BenchConfig) -> torch.nn.Module:
@@ -432,7 +472,8 @@ def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
     for impl in cfg.impls:
         mine = [next(r for r in run["rows"] if r["impl"] == impl) for run in runs]
         spread[impl] = {k: [min(r[k] for r in mine), max(r[k] for r in mine)]
-                        for k in ("tokens_per_s", "gflops", "pct_of_roof", "pagedkv_speedup") if k in mine[0]}
+                        for k in ("tokens_per_s", "gflops", "pct_of_roof", "pagedkv_speedup", "pct_of_both_roofs",
+                                  "attention_pct_of_kv_roof") if k in mine[0]}
     import transformers
 
     config = {
@@ -451,8 +492,8 @@ def _run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
         "load_avg": _load_avg(),
         "gpu": torch.cuda.get_device_name() if cfg.device.startswith("cuda") else None,
     }
-    return {"rows": median["rows"], "roof": median["roof"], "flops": median["flops"], "runs": runs,
-            "spread": spread, "config": config}
+    return {"rows": median["rows"], "roof": median["roof"], "kv_roof": median["kv_roof"], "flops": median["flops"],
+            "runs": runs, "spread": spread, "config": config}
 
 
 def _load_avg() -> list[float] | None:
@@ -514,16 +555,25 @@ def _run_once(model, prompts: list[list[int]], budget: int, cfg: BenchConfig, ba
     if not steps:  # no engine in the run: the roof at the transformers' decode steps (one row per prompt)
         steps = [(len(prompts), len(prompts))] * cfg.max_new_tokens
     roof = measure_roof(model, cfg, steps)
+    bandwidth = measure_read_bandwidth(cfg)
+    kv_bytes = kv_read_bytes(cfg, [len(p) for p in prompts])
+    kv_roof = {**bandwidth, "kv_bytes": kv_bytes, "seconds": kv_bytes / (bandwidth["gbps"] * 1e9)}
     bar.update()
     for r in rows:
         r["gflops"] = r["flops"] / r["seconds"] / 1e9
         r["pct_of_roof"] = r["gflops"] / roof["gflops"] if roof["gflops"] else 0.0
+        t = r.get("step_times")
+        if t:  # the engine: its attention against the bandwidth roof
+            attention_s = t["attention_ms"] * t["steps"] / 1e3
+            r["attention_pct_of_kv_roof"] = kv_roof["seconds"] / attention_s if attention_s else 0.0
+            # both roofs: the matrix products at the roof's speed plus K and V read at the bandwidth
+            r["pct_of_both_roofs"] = (roof["seconds"] + kv_roof["seconds"]) / r["seconds"]
     by_impl = {r["impl"]: r["tokens_per_s"] for r in rows}
     if "pagedkv" in by_impl:
         for r in rows:
             r["pagedkv_speedup"] = by_impl["pagedkv"] / r["tokens_per_s"]
     flops = count_flops(cfg, [len(p) for p in prompts], sum(r for _, r in steps))
-    return {"rows": rows, "roof": roof, "flops": flops, "load_avg": [load_before, _load_avg()]}
+    return {"rows": rows, "roof": roof, "kv_roof": kv_roof, "flops": flops, "load_avg": [load_before, _load_avg()]}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -539,6 +589,17 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{roof['gflops']:.1f} GFLOP/s ({roof['seconds']:.2f} s for {roof['flops'] / 1e9:.1f} GFLOP); "
                      f"work counted: {flops['total'] / 1e9:.1f} GFLOP (layers {flops['layers'] / 1e9:.1f}, attention "
                      f"{flops['attention'] / 1e9:.1f}, LM head {flops['lm_head'] / 1e9:.1f})")
+    kv = result.get("kv_roof")
+    if kv:
+        lines.append(f"second roof: K and V read by attention, {kv['kv_bytes'] / 1e9:.2f} GB at the measured read "
+                     f"bandwidth {kv['gbps']:.1f} GB/s ({kv['method']} over {kv['probe_bytes'] >> 20} MiB) = "
+                     f"{kv['seconds']:.3f} s")
+        for r in result["rows"]:
+            if "pct_of_both_roofs" in r:
+                lines.append(f"{r['impl']}: attention at {r['attention_pct_of_kv_roof']:.0%} of the bandwidth roof; "
+                             f"the run at {r['pct_of_both_roofs']:.0%} of both roofs (matrix products at the roof "
+                             f"plus K/V at the bandwidth: {roof['seconds'] + kv['seconds']:.2f} s against "
+                             f"{r['seconds']:.2f} s)")
     runs = result.get("runs") or []
     if len(runs) > 1:
         sp = result["spread"]

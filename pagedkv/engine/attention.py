@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine import cpu_kernel
+
 ATTN_IMPLEMENTATION = "pagedkv"
 METADATA_KWARG = "pagedkv_metadata"
 BACKENDS = ("torch", "triton")
@@ -57,6 +59,9 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] | None = None
     # The torch backend's decode rows read in place from the pool (None: through decode_groups' gathers)
     pool_decode: PoolDecode | None = None
+    # The torch backend's decode rows through the compiled CPU kernel where it serves (pagedkv.engine.cpu_kernel);
+    # False: through pool_decode or decode_groups, PyTorch's own operations
+    decode_kernel: bool = True
     # The KV cache group's window when it releases the blocks behind it (a SlidingWindowSpec group: those table
     # entries are the null block), else None: the layer's own window, if any, is then only a mask
     sliding_window: int | None = None
@@ -304,7 +309,9 @@ def torch_paged_attention(
 ) -> torch.Tensor:
     """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
 
-    Decode requests (one new token) are read in place from the pool when the step's metadata allows it
+    Decode requests (one new token) are attended to by the compiled CPU kernel where it serves
+    (:mod:`pagedkv.engine.cpu_kernel`: float32 on a CPU, a C compiler on the machine; any block table, any
+    window). Otherwise they are read in place from the pool when the step's metadata allows it
     (``pool_decode``, :func:`pool_decode_attention`: no block shared between two decode rows, full attention);
     otherwise they are done in a few groups of similar length: a group's blocks are gathered through the block
     table into a padded ``[Bg, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``.
@@ -318,7 +325,12 @@ def torch_paged_attention(
     hq, hkv, d = query.shape[1], key_cache.shape[2], key_cache.shape[3]
     groups = meta.decode_groups
     pd = meta.pool_decode
-    if pd is not None and sliding_window is None:  # the decode rows, in place
+    decodes = meta.decode_req_idx
+    if meta.decode_kernel and decodes is not None and decodes.numel() and cpu_kernel.usable(query, key_cache):
+        cpu_kernel.decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, decodes, out, scale, sliding_window)  # in place, compiled
+        groups = []
+    elif pd is not None and sliding_window is None:  # the decode rows, in place
         q = query.index_select(0, pd.tokens)  # [Bd, Hq, D]
         out.index_copy_(0, pd.tokens, pool_decode_attention(q, key_cache, value_cache, pd, scale))
         groups = []

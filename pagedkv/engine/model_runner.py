@@ -68,6 +68,7 @@ from typing import Any
 import torch
 
 from pagedkv.block_table import make_block_table_tensor
+from pagedkv.engine import cpu_kernel
 from pagedkv.engine.attention import (
     ATTN_IMPLEMENTATION,
     METADATA_KWARG,
@@ -838,8 +839,10 @@ class ModelRunner:
                                         dtype=torch.long, device=dev)
         window = self.group_windows[group]
         decodes = [b for b in range(b_count) if qsl[b + 1] - qsl[b] == 1]
-        # the decode rows read in place from the pool where they can be (full attention, no block shared)
-        pool = None if self.backend == "triton" or window is not None else make_pool_decode(
+        # the decode rows read in place from the pool where they can be (full attention, no block shared), unless
+        # the compiled CPU kernel reads them (any table, any window): then neither the pool nor the groups
+        kernel = self.backend == "torch" and cpu_kernel.serves(dev, self.kv_caches[0][0].dtype)
+        pool = None if self.backend == "triton" or window is not None or kernel else make_pool_decode(
             decodes, seq_lens, tables if tables.device.type == "cpu" else tables.cpu(), qsl, self.block_size)
         prefills = [(b, qsl[b], qsl[b + 1], seq_lens[b]) for b in range(b_count) if qsl[b + 1] - qsl[b] > 1]
         return AttentionMetadata(
@@ -854,7 +857,7 @@ class ModelRunner:
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
             pool_decode=None if pool is None else pool.to(dev),
-            decode_groups=None if self.backend == "triton" or not decodes or pool is not None else [
+            decode_groups=None if self.backend == "triton" or not decodes or pool is not None or kernel else [
                 g.to(dev) for g in make_decode_groups(decodes, seq_lens, tables, qsl, self.block_size,
                                                       sliding_window=window)
             ],

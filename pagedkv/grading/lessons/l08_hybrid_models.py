@@ -73,11 +73,16 @@ def _skipped_hint(args: tuple[int, int]) -> Callable[[Any], str | None]:
     c, w = args
 
     def hint(got: Any) -> str | None:
-        if got == max(0, c - w):
+        if got == c - w > 0:  # not where c == w: there any function returning 0 gives that
             return ("that is num_computed_tokens - sliding_window: the next token (position num_computed_tokens) is "
                     "one of the sliding_window tokens it reads, so one more token is skipped")  # fmt: skip
         if got == c - w + 1:
             return "never negative: while the window still covers position 0, nothing is skipped"
+        if got == max(0, c - w + 2):
+            return ("one too many: the next token reads sliding_window positions, itself included, so "
+                    "num_computed_tokens - sliding_window + 1 are behind it")
+        if got == max(0, w - c + 1) != max(0, c - w + 1):
+            return "are the arguments swapped? get_num_skipped_tokens(num_computed_tokens, sliding_window)"
         return None
 
     return hint

@@ -92,6 +92,8 @@ def _check_heads(fn: Callable, h: int, tp: int, rank: int) -> None:
     if not isinstance(got, (list, tuple)) or not all(is_int(x) for x in got):
         fail(message + " (return a list of ints: the head indices, in increasing order)")
     hints = [why for wrong, why in _heads_mistakes(h, tp, rank) if list(got) == wrong and wrong != want]
+    if not hints and sorted(got) == want:
+        hints = ["the right heads: return them in increasing order"]
     fail(f"{message}. Hint: {hints[0]}" if hints else message + ".")
 
 
