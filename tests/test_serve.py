@@ -179,6 +179,7 @@ BAD = [
     (b'{"prompt": "hi", "min_tokens": 4}', 400, "min_tokens"),
     (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
+    (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
 ]
 
 
@@ -280,6 +281,29 @@ def test_clients_may_reuse_a_request_id_and_must_send_json(srv):
                         headers={"content-type": "text/plain"})
     assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
     idle(srv)
+
+
+def test_an_error_after_the_200_is_the_error_body_then_done(srv, monkeypatch):
+    """A streamed request that fails once its 200 is sent gets one error event with the body a non-streamed
+    error would have (type ``BadRequestError`` and its param for a refused request; ``InternalServerError``, 500
+    for a bug), then ``[DONE]``, as vLLM's ``completion_stream_generator`` (``except Exception``). The lab sent
+    the exception's class name as the type, no param, and for a bug broke the stream without ``[DONE]``."""
+    from pagedkv.engine.async_llm import InvalidRequestError
+
+    for exc, expected in ((InvalidRequestError("refused late", "prompt"), ("BadRequestError", 400, "prompt")),
+                          (RuntimeError("a bug"), ("InternalServerError", 500, None))):
+        async def failing(*args, exc=exc, **kwargs):
+            raise exc
+            yield  # an async generator, as AsyncLLM.generate
+
+        monkeypatch.setattr(srv.engine, "generate", failing)
+        r = srv.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True})
+        assert r.status_code == 200
+        (event,) = sse(r.text)
+        err = event["error"]
+        assert (err["type"], err["code"], err["param"]) == expected and err["message"] == str(exc)
+    monkeypatch.undo()
+    assert completion(srv, prompt=[1, 2], max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
 def test_disconnects_abort_and_free_blocks(srv):

@@ -62,7 +62,9 @@ def error_body(message: str, err_type: str, status: int, param: str | None = Non
     return P.ErrorResponse(error=info).model_dump()
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_fields(exc: BaseException) -> tuple[HTTPStatus, str, str | None]:
+    """``(status, type, param)`` of the error body for ``exc``. Mirrors ``create_error_response``'s cases; an
+    :class:`EngineDeadError` is a 503 here (vLLM: 500), as ``/health`` says."""
     if isinstance(exc, ServingError):
         status, err_type, param = exc.status, exc.err_type, exc.param
     elif isinstance(exc, InvalidRequestError):
@@ -73,6 +75,11 @@ def error_response(exc: BaseException) -> JSONResponse:
         status, err_type, param = HTTPStatus.SERVICE_UNAVAILABLE, "EngineDeadError", None
     else:
         status, err_type, param = HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError", None
+    return status, err_type, param
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, err_type, param = error_fields(exc)
     return JSONResponse(error_body(str(exc), err_type, status, param), status_code=int(status))
 
 
@@ -371,14 +378,15 @@ def _sse(obj: Any, final: bool = False) -> str:
 
 
 async def _stream_with_error(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Server-sent events ending in ``data: [DONE]``; an error after the 200 is sent as an error event, as vLLM
-    does (``create_streaming_error_response``)."""
+    """Server-sent events ending in ``data: [DONE]``; any error after the 200 is sent as an error event with the
+    body a non-streamed error would have (its type and param), as vLLM's stream generators do
+    (``except Exception``: ``create_streaming_error_response``)."""
     try:
         async for chunk in chunks:
             yield chunk
-    except (InvalidRequestError, ServingError, EngineDeadError, ValueError) as exc:
-        status = getattr(exc, "status", HTTPStatus.BAD_REQUEST)
-        yield f"data: {json.dumps(error_body(str(exc), type(exc).__name__, int(status)))}\n\n"
+    except Exception as exc:  # noqa: BLE001 - reported to the client, the stream still ends in [DONE]
+        status, err_type, param = error_fields(exc)
+        yield f"data: {json.dumps(error_body(str(exc), err_type, int(status), param))}\n\n"
     yield "data: [DONE]\n\n"
 
 

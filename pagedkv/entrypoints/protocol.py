@@ -124,9 +124,14 @@ class _SamplingFields(OpenAIBaseModel):
         return data
 
     def unserved(self) -> str | None:
-        """The first field of :data:`UNSERVED` this request sets to a value the engine cannot serve."""
+        """The first field of :data:`UNSERVED` this request sets to a value the engine cannot serve. A bool is
+        only ``False``, not ``0`` (completions' ``"logprobs": 0`` asks for the sampled token's logprob)."""
         fields = {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
-        return next((k for k, ok in UNSERVED.items() if k in fields and fields[k] not in ok), None)
+
+        def off(value: Any, ok: tuple[Any, ...]) -> bool:
+            return any(value is v or (isinstance(value, bool) == isinstance(v, bool) and value == v) for v in ok)
+
+        return next((k for k, ok in UNSERVED.items() if k in fields and not off(fields[k], ok)), None)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
