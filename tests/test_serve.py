@@ -260,6 +260,34 @@ def test_vllm_wire_format_of_chunks_ids_and_defaults(srv):
     idle(srv)
 
 
+def test_echo_as_vllm(srv):
+    """``echo`` (the lab refused it) as vLLM 0.26's ``OpenAIServingCompletion``: the text starts with the prompt
+    (as sent, or its ids decoded); with ``return_token_ids`` no prompt text, and the ids start with the prompt's;
+    ``max_tokens`` 0 shows the prompt alone (one token is generated and counted in usage:
+    ``echo_without_generation``); a stream's first chunk carries the prompt and its ids. Chat's echo is refused."""
+    tok = tiny_tokenizer()
+    plain = completion(srv, prompt="Hello", max_tokens=4, temperature=0, return_token_ids=True)["choices"][0]
+    body = completion(srv, prompt="Hello", max_tokens=4, temperature=0, echo=True)
+    assert body["choices"][0]["text"] == "Hello" + plain["text"] and body["usage"]["completion_tokens"] == 4
+    ids = completion(srv, prompt="Hello", max_tokens=4, temperature=0, echo=True, return_token_ids=True)["choices"][0]
+    assert ids["text"] == plain["text"] and ids["token_ids"] == plain["prompt_token_ids"] + plain["token_ids"]
+    only = completion(srv, prompt="Hello", max_tokens=0, echo=True)
+    assert only["choices"][0]["text"] == "Hello" and only["choices"][0]["finish_reason"] == "length"
+    assert only["usage"]["completion_tokens"] == 1
+    toks = completion(srv, prompt=[[5, 6, 7], [9, 10]], max_tokens=3, temperature=0, echo=True)["choices"]
+    assert [c["text"][:len(tok.decode(p))] for c, p in zip(toks, [[5, 6, 7], [9, 10]], strict=True)] == [
+        tok.decode([5, 6, 7]), tok.decode([9, 10])]
+    r = srv.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "echo": True,
+                                                 "stream": True})
+    events = sse(r.text)
+    assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
+    assert events[0]["choices"][0]["text"].startswith("Hello")
+    assert events[0]["choices"][0]["prompt_token_ids"] == plain["prompt_token_ids"]
+    r = srv.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    idle(srv)
+
+
 def test_clients_may_reuse_a_request_id_and_must_send_json(srv):
     """vLLM 0.26 adds 8 random characters to the caller's ``request_id`` (``InputProcessor.assign_request_id``),
     so concurrent requests with one id all run; the lab answered the second with 400 "already in use" (an error
