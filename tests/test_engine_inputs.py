@@ -189,3 +189,14 @@ def test_stop_strings_need_a_tokenizer(llm):
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate(PROMPT, SamplingParams(max_tokens=4, stop="x"), use_tqdm=False)
     assert engine_state(llm) == before
+
+
+def test_max_tokens_none_generates_up_to_max_model_len(llm):
+    """vLLM 0.26's ``SamplingParams(max_tokens=None)`` means "until ``max_model_len``" (``InputProcessor.
+    process_inputs`` sets ``max_model_len - prompt_len``); the lab refused ``None``."""
+    before = engine_state(llm)
+    out = llm.generate([PROMPT, PROMPT[:2]], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(PROMPT), 62]
+    assert {o.outputs[0].finish_reason for o in out} == {"length"}
+    assert engine_state(llm) == before

@@ -21,13 +21,13 @@ class SamplingParams:
     1.0 keeps the whole distribution. ``seed`` gives the request its own ``torch.Generator``, so its samples
     do not depend on what else is in the batch or on preemption (-1: no seed). ``n`` completions per prompt
     (at most :data:`MAX_N_SEQUENCES`; greedy sampling takes ``n == 1``: ``n`` greedy copies would be one answer).
-    Generation stops at ``max_tokens``, at the model's EOS token (unless ``ignore_eos``), at any of
-    ``stop_token_ids``, or when the text shows one of ``stop`` (a string or a list; the text is cut before it, or
-    after it with ``include_stop_str_in_output``; needs a tokenizer).
+    Generation stops at ``max_tokens`` (``None``: where ``max_model_len`` ends the request), at the model's EOS
+    token (unless ``ignore_eos``), at any of ``stop_token_ids``, or when the text shows one of ``stop`` (a string
+    or a list; the text is cut before it, or after it with ``include_stop_str_in_output``; needs a tokenizer).
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -73,7 +73,8 @@ class SamplingParams:
         check_int(self.n, "n", 1)
         if self.n > MAX_N_SEQUENCES:  # vLLM's message (envs.VLLM_MAX_N_SEQUENCES)
             raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
-        check_int(self.max_tokens, "max_tokens", 1)
+        if self.max_tokens is not None:  # None: up to max_model_len (vLLM's InputProcessor.process_inputs)
+            check_int(self.max_tokens, "max_tokens", 1)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
         if not 0.0 <= self.temperature <= 2.0:  # also refuses NaN and inf
