@@ -59,9 +59,10 @@ def test_gpt_oss_20b_numbers():
     h = hybrid_sizing(cfg, 70 * GiB, max_model_len=131072)
     page = 2 * 16 * 8 * 64 * 2
     assert h.page_size_bytes == page and h.group_size == 12
-    assert h.num_blocks == 70 * GiB // page // 12
+    assert h.kv_cache_config.num_blocks == 70 * GiB // page // 12
     assert h.blocks_per_request == [cdiv(127 + 16384, 16) + 1, 131072 // 16]
-    assert h.max_concurrency == pytest.approx(h.num_blocks / (1033 + 8192))
+    assert h.max_concurrency == pytest.approx(h.kv_cache_config.num_blocks / (1033 + 8192))
+    assert not hasattr(h, "num_blocks")  # one name for the count: vLLM's KVCacheConfig.num_blocks (issue 27)
     assert h.log_lines == [
         f"INFO GPU KV cache size: {int(h.max_concurrency * 131072):,} tokens",
         f"INFO Maximum concurrency for 131,072 tokens per request: {h.max_concurrency:.2f}x",

@@ -21,8 +21,9 @@ class SamplingParams:
     1.0 keeps the whole distribution. ``seed`` gives the request its own ``torch.Generator``, so its samples
     do not depend on what else is in the batch or on preemption (-1: no seed). ``n`` completions per prompt
     (at most :data:`MAX_N_SEQUENCES`; greedy sampling takes ``n == 1``: ``n`` greedy copies would be one answer).
-    Generation stops at ``max_tokens``, at the model's EOS token (unless ``ignore_eos``) or at any of
-    ``stop_token_ids``.
+    Generation stops at ``max_tokens``, at the model's EOS token (unless ``ignore_eos``), at any of
+    ``stop_token_ids``, or when the text shows one of ``stop`` (a string or a list; the text is cut before it, or
+    after it with ``include_stop_str_in_output``; needs a tokenizer).
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
@@ -34,8 +35,19 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        if self.stop is None:  # vLLM's normalisation: None -> [], a string -> [it]
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif not isinstance(self.stop, list):
+            try:
+                self.stop = list(self.stop)
+            except TypeError:
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (str, bytes, list)):
             try:  # any iterable of ids (a tuple, a set, a generator), read once
                 self.stop_token_ids = list(self.stop_token_ids)
@@ -81,6 +93,12 @@ class SamplingParams:
                 check_int(t, "each of stop_token_ids", 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(t, str) for t in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(not t for t in self.stop):  # vLLM's message
+            raise ValueError("stop cannot contain an empty string.")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         if self.temperature == 0.0 and self.n > 1:  # vLLM's _verify_greedy_sampling, its message
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 

@@ -290,7 +290,9 @@ def get_max_concurrency_for_kv_cache_config(
 
 @dataclass
 class HybridSizing:
-    """What vLLM 0.26 decides at start-up for one model and memory budget (:func:`hybrid_sizing`)."""
+    """What vLLM 0.26 decides at start-up for one model and memory budget (:func:`hybrid_sizing`). The pool's
+    block count is ``kv_cache_config.num_blocks``, under vLLM's name (``KVCacheConfig.num_blocks``,
+    ``vllm/v1/kv_cache_interface.py``), with no second name here."""
 
     kv_cache_config: KVCacheConfig
     group_size: int
@@ -299,10 +301,6 @@ class HybridSizing:
     max_concurrency: float
     num_tokens: int  # "GPU KV cache size: N tokens"
     log_lines: list[str]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_cache_config.num_blocks
 
 
 def hybrid_sizing(
@@ -392,7 +390,7 @@ def capacity_table(
                 "max_model_len": m,
                 "groups": len(h.kv_cache_config.kv_cache_groups),
                 "group_size": h.group_size,
-                "num_blocks": h.num_blocks,
+                "num_blocks": h.kv_cache_config.num_blocks,
                 "concurrency": h.max_concurrency,
                 "concurrency_all_full": f.max_concurrency,
                 "gain": h.max_concurrency / f.max_concurrency,
