@@ -27,7 +27,12 @@ def engine_state(llm: LLM) -> tuple[int, int, int, list[str]]:
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("n", 0, "n must be an int >= 1"),
+    ("n", 0, r"n must be at least 1, got 0\."),
+    ("n", 2.0, "n must be an int, got 2.0"),
+    ("temperature", float("inf"), r"temperature must be a finite number, got inf\."),
+    ("temperature", 2.5, r"temperature must be in \[0, 2\], got 2\.5\."),
+    ("top_k", -2, r"top_k must be 0 \(disable\), or at least 1, got -2\."),
+    ("max_tokens", 0, r"max_tokens must be at least 1, got 0\."),
     ("max_tokens", -3, "max_tokens must be"),
     ("temperature", 7.0, "temperature must be"),
     ("top_k", -5, "top_k must be"),
