@@ -260,6 +260,31 @@ def test_vllm_wire_format_of_chunks_ids_and_defaults(srv):
     idle(srv)
 
 
+def test_continuous_usage_stats(srv):
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``) puts usage on every chunk: the prompt's
+    tokens and the choice's tokens so far (0 on chat's role chunk), as vLLM 0.26's stream generators; the lab
+    ignored it. Without ``include_usage`` it does nothing (``should_include_usage``)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r = srv.client.post("/v1/completions", json={"prompt": [[4, 5, 6], [7, 8]], "max_tokens": 3, "temperature": 0,
+                                                 "stream": True, "stream_options": opts})
+    events = sse(r.text)
+    seen = {0: 0, 1: 0}
+    for e in events[:-1]:
+        i = e["choices"][0]["index"]
+        seen[i] += 1
+        plen = [3, 2][i]
+        assert e["usage"] == {"prompt_tokens": plen, "completion_tokens": seen[i], "total_tokens": plen + seen[i]}
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    hi = [{"role": "user", "content": "hi"}]
+    events = sse(srv.client.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2, "temperature": 0,
+                                                               "stream": True, "stream_options": opts}).text)
+    assert [e["usage"]["completion_tokens"] for e in events] == [0, 1, 2, 2]
+    events = sse(srv.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True,
+                                                          "stream_options": {"continuous_usage_stats": True}}).text)
+    assert all("usage" not in e for e in events)
+    idle(srv)
+
+
 def test_echo_as_vllm(srv):
     """``echo`` (the lab refused it) as vLLM 0.26's ``OpenAIServingCompletion``: the text starts with the prompt
     (as sent, or its ids decoded); with ``return_token_ids`` no prompt text, and the ids start with the prompt's;
