@@ -27,7 +27,12 @@ def engine_state(llm: LLM) -> tuple[int, int, int, list[str]]:
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("n", 0, "n must be an int >= 1"),
+    ("n", 0, r"n must be at least 1, got 0\."),
+    ("n", 2.0, "n must be an int, got 2.0"),
+    ("temperature", float("inf"), r"temperature must be a finite number, got inf\."),
+    ("temperature", 2.5, r"temperature must be in \[0, 2\], got 2\.5\."),
+    ("top_k", -2, r"top_k must be 0 \(disable\), or at least 1, got -2\."),
+    ("max_tokens", 0, r"max_tokens must be at least 1, got 0\."),
     ("max_tokens", -3, "max_tokens must be"),
     ("temperature", 7.0, "temperature must be"),
     ("top_k", -5, "top_k must be"),
@@ -188,4 +193,15 @@ def test_stop_strings_need_a_tokenizer(llm):
     before = engine_state(llm)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate(PROMPT, SamplingParams(max_tokens=4, stop="x"), use_tqdm=False)
+    assert engine_state(llm) == before
+
+
+def test_max_tokens_none_generates_up_to_max_model_len(llm):
+    """vLLM 0.26's ``SamplingParams(max_tokens=None)`` means "until ``max_model_len``" (``InputProcessor.
+    process_inputs`` sets ``max_model_len - prompt_len``); the lab refused ``None``."""
+    before = engine_state(llm)
+    out = llm.generate([PROMPT, PROMPT[:2]], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(PROMPT), 62]
+    assert {o.outputs[0].finish_reason for o in out} == {"length"}
     assert engine_state(llm) == before

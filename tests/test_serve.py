@@ -419,7 +419,7 @@ def test_cache_salt_isolates_tenants(srv):
     idle(srv)
 
 
-MUTATIONS = [("n", 0, "n must be an int >= 1"), ("max_tokens", -3, "max_tokens must be"),
+MUTATIONS = [("n", 0, "n must be at least 1, got 0"), ("max_tokens", -3, "max_tokens must be"),
              ("temperature", 7.0, "temperature must be"), ("top_k", -5, "top_k must be"),
              ("top_p", 0.0, "top_p must be"), ("seed", 2**70, "seed must be"),
              ("stop_token_ids", [1, -2], "stop_token_ids")]

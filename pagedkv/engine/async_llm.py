@@ -241,6 +241,9 @@ class AsyncLLM:
         # InputProcessor.assign_request_id); the lab's own ids are unique already
         base = f"{request_id}-{uuid.uuid4().hex[:8]}" if request_id else f"req-{next(self._ids)}"
         n = sampling_params.n
+        max_tokens = sampling_params.max_tokens  # None: up to max_model_len, as vLLM's InputProcessor
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_token_ids)
         q: asyncio.Queue = asyncio.Queue()
         child_ids = [base if n == 1 else f"{base}-{j}" for j in range(n)]
         if any(rid in self._states for rid in child_ids):
@@ -250,8 +253,8 @@ class AsyncLLM:
             self._states[rid] = RequestState(rid, j, list(prompt_token_ids), params, list(stop),
                                              include_stop_str_in_output, self.tokenizer)
             self._queues[rid] = q
-            self._pending.append(("add", EngineCoreRequest(rid, list(prompt_token_ids), params,
-                                                           sampling_params.max_tokens, cache_salt, priority)))
+            self._pending.append(("add", EngineCoreRequest(rid, list(prompt_token_ids), params, max_tokens,
+                                                           cache_salt, priority)))
         assert self._wake is not None, "call await start() first"
         self._wake.set()
         remaining = set(child_ids)

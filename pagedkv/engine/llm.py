@@ -487,7 +487,8 @@ class LLM:
         for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
             # vLLM 0.26 lets the request run and ends it at max_model_len (check_stop: FINISHED_LENGTH_CAPPED,
             # "length"); capping max_tokens ends it at the same token with the same reason
-            max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+            room = self.max_model_len - len(ids)  # max_tokens None: all of it (vLLM's InputProcessor)
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
             self._check_fits(i, len(ids), max_tokens)
             clamped.append(max_tokens)
 
