@@ -180,6 +180,8 @@ BAD = [
     (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
     (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
+    (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', 400, "response_format"),
 ]
 
 
@@ -283,6 +285,30 @@ def test_continuous_usage_stats(srv):
                                                           "stream_options": {"continuous_usage_stats": True}}).text)
     assert all("usage" not in e for e in events)
     idle(srv)
+
+
+def test_add_special_tokens_as_vllm():
+    """``add_special_tokens`` (vLLM 0.26: True for completions, False for chat, where the template has them) is
+    passed to the tokenizer; the lab ignored it. The tiny tokenizer adds nothing, so a tokenizer that adds a BOS
+    stands in: a served prompt is one token longer with it."""
+    from pagedkv.entrypoints.api_server import OpenAIServing
+    from pagedkv.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+    class BOS:
+        chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, continue_final_message):
+            return "".join(m["content"] for m in messages)
+
+    serving = OpenAIServing(SimpleNamespace(tokenizer=BOS()), ["m"], "m")
+    assert serving.render_completion(CompletionRequest(prompt="ab")) == [[1, 97, 98]]
+    assert serving.render_completion(CompletionRequest(prompt=["ab"], add_special_tokens=False)) == [[97, 98]]
+    hi = [{"role": "user", "content": "ab"}]
+    assert serving.render_chat(ChatCompletionRequest(messages=hi)) == [97, 98]
+    assert serving.render_chat(ChatCompletionRequest(messages=hi, add_special_tokens=True)) == [1, 97, 98]
 
 
 def test_echo_as_vllm(srv):

@@ -209,12 +209,12 @@ class OpenAIServing:
             raise ServingError("prompt must be a non-empty string, list of strings or list of token ids",
                                HTTPStatus.BAD_REQUEST, "prompt")
         if isinstance(prompt, str):
-            return [self.tokenize(prompt)]
+            return [self.tokenize(prompt, request.add_special_tokens)]
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         out = []
         for p in prompt:
-            out.append(self.tokenize(p) if isinstance(p, str) else list(p))
+            out.append(self.tokenize(p, request.add_special_tokens) if isinstance(p, str) else list(p))
         return out
 
     def prompt_texts(self, request: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -248,7 +248,7 @@ class OpenAIServing:
             if not isinstance(exc, ValueError) and not any(c.__name__ == "TemplateError" for c in type(exc).__mro__):
                 raise
             raise ServingError(str(exc), HTTPStatus.BAD_REQUEST) from None
-        return self.tokenize(text, add_special_tokens=False)
+        return self.tokenize(text, add_special_tokens=request.add_special_tokens)
 
     @staticmethod
     def sampling_params(request: P._SamplingFields, max_tokens: int) -> SamplingParams:

@@ -35,7 +35,9 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "min_p": (None, 0.0), "min_tokens": (None, 0), "logit_bias": (None, {}), "allowed_token_ids": (None,),
     "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "suffix": (None, ""), "top_logprobs": (None, 0), "use_beam_search": (False,),
-    "logprobs": (None, False),
+    "logprobs": (None, False), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "tools": (None, []),
+    "truncation_side": (None,), "prompt_embeds": (None,),
 }
 
 
@@ -148,6 +150,7 @@ class CompletionRequest(_SamplingFields):
     ) = None
     max_tokens: int | None = 16
     echo: bool | None = False
+    add_special_tokens: bool = True  # the tokenizer's BOS and the like on a text prompt
 
     @model_validator(mode="before")
     @classmethod
@@ -184,6 +187,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of the chat template's (which has them already)
 
     def unserved(self) -> str | None:
         """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not)."""
