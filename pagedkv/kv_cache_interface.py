@@ -144,8 +144,9 @@ class SlidingWindowSpec(AttentionSpec):
         """The most blocks one request holds at once: the last ``sliding_window - 1`` computed tokens plus the
         tokens in flight (scheduled, not yet processed: blocks are freed on the processed basis), at most
         ``max_model_len``, in blocks, plus one because the window need not start at a block boundary (block
-        size 4, 6-token window ``CDEF``: ``[xxCD][EF..]``). Used both to size the pool at start-up and as the
-        admission gate's per-request cap. Mirrors ``SlidingWindowSpec.max_admission_blocks_per_request``."""
+        size 4: the 4 tokens ``CDEF`` span two blocks, ``[xxCD][EF..]``). Used both to size the pool at start-up
+        and as the admission gate's per-request cap. Mirrors ``SlidingWindowSpec.max_admission_blocks_per_request``.
+        """
         check_int(max_in_flight_tokens, "max_in_flight_tokens", 1)
         check_int(max_model_len, "max_model_len", 1)
         num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)

@@ -325,7 +325,7 @@ def test_bad_inputs_clear_errors_engine_still_usable(llama, prompts, llama_refs)
         llm.generate([prompts[0], [1] * 60], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     with pytest.raises(ValueError, match="n must be"):
         llm.generate(prompts[0], SamplingParams(n=0))
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be non-negative, got -0.5"):
         llm.generate(prompts[0], SamplingParams(temperature=-0.5))
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[VOCAB + 5]], GREEDY, use_tqdm=False)

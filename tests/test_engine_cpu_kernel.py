@@ -91,11 +91,13 @@ def test_kernel_refuses_a_table_outside_the_pool():
     assert not cpu_kernel.usable(query.double(), key_cache.double())  # float32 only
 
 
-@pytest.mark.parametrize("env", [{"PAGEDKV_CPU_KERNEL": "0"}, {"CC": "/nonexistent/cc"}])
+@pytest.mark.parametrize("env", [{"PAGEDKV_CPU_KERNEL": "0"}, {"CC": "/nonexistent/cc"},
+                                 {"PAGEDKV_KERNEL_CACHE": "{tmp}/a-file/cache"}])  # a folder that cannot be made
 def test_without_the_kernel_the_backend_falls_back(monkeypatch, tmp_path, env):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path))  # nothing built yet in this cache
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.format(tmp=tmp_path))
     cpu_kernel.load.cache_clear()
     try:
         assert cpu_kernel.load() is None and not cpu_kernel.serves("cpu", torch.float32)

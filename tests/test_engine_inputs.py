@@ -27,7 +27,12 @@ def engine_state(llm: LLM) -> tuple[int, int, int, list[str]]:
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("n", 0, "n must be an int >= 1"),
+    ("n", 0, r"n must be at least 1, got 0\."),
+    ("n", 2.0, "n must be an int, got 2.0"),
+    ("temperature", float("inf"), r"temperature must be a finite number, got inf\."),
+    ("temperature", 2.5, r"temperature must be in \[0, 2\], got 2\.5\."),
+    ("top_k", -2, r"top_k must be 0 \(disable\), or at least 1, got -2\."),
+    ("max_tokens", 0, r"max_tokens must be at least 1, got 0\."),
     ("max_tokens", -3, "max_tokens must be"),
     ("temperature", 7.0, "temperature must be"),
     ("top_k", -5, "top_k must be"),
@@ -152,3 +157,51 @@ def test_the_engines_integer_arguments_take_numpy_ints_and_refuse_bools():
                                  ("tensor_parallel_size", True, r"tensor_parallel_size must be an int >= 1, got True")]:
         with pytest.raises(ValueError, match=message):
             LLM(model, **{"num_gpu_blocks": 40, "block_size": 8, "max_model_len": 64, name: value})
+
+
+def test_stop_strings_in_generate_as_vllm():
+    """``SamplingParams(stop=...)`` and ``include_stop_str_in_output`` are vLLM's (``vllm/sampling_params.py``);
+    the lab's ``SamplingParams`` had neither (``TypeError``), so ``LLM.generate`` could not stop on text. Now a
+    completion that shows a stop string finishes ``"stop"`` with the string as ``stop_reason``, its text cut
+    before the string (or after it), its tokens up to the one that completed it, and the engine is left idle."""
+    from pagedkv.entrypoints.tiny import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    llm = LLM(tiny_model(0), tokenizer=tok, num_gpu_blocks=40, block_size=8, max_model_len=64)
+    before = engine_state(llm)
+    greedy = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    stop = greedy.text[4:7]
+    for include in (False, True):
+        sp = SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], include_stop_str_in_output=include)
+        out = llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0]
+        end = greedy.text.index(stop) + (len(stop) if include else 0)
+        assert (out.text, out.finish_reason, out.stop_reason) == (greedy.text[:end], "stop", stop)
+        n = len(out.token_ids)
+        assert out.token_ids == greedy.token_ids[:n] and n < 12
+        assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+        assert engine_state(llm) == before
+    both = llm.generate(["Hello", "Hello"], [SamplingParams(max_tokens=12, temperature=0.0, stop=stop),
+                                             SamplingParams(max_tokens=12, temperature=0.0)], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in both] == ["stop", "length"]
+    assert both[1].outputs[0].token_ids == greedy.token_ids
+    for bad, message in (([""], "stop cannot contain an empty string"), ([3], "stop must be a string")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(stop=bad)
+
+
+def test_stop_strings_need_a_tokenizer(llm):
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, stop="x"), use_tqdm=False)
+    assert engine_state(llm) == before
+
+
+def test_max_tokens_none_generates_up_to_max_model_len(llm):
+    """vLLM 0.26's ``SamplingParams(max_tokens=None)`` means "until ``max_model_len``" (``InputProcessor.
+    process_inputs`` sets ``max_model_len - prompt_len``); the lab refused ``None``."""
+    before = engine_state(llm)
+    out = llm.generate([PROMPT, PROMPT[:2]], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(PROMPT), 62]
+    assert {o.outputs[0].finish_reason for o in out} == {"length"}
+    assert engine_state(llm) == before

@@ -230,3 +230,10 @@ def test_skipped_mistakes_are_named(new: str, named: str, not_named: str) -> Non
     r = _wrong("skipped_tokens", "max(0, num_computed_tokens - sliding_window + 1)", new)
     passed, total, first = _points(r, "skipped_tokens")
     assert passed == 0 and named in first and not_named not in first, first
+
+
+def test_lowering_ref_cnt_by_hand_is_named() -> None:
+    r = _wrong("remove_skipped", "        manager.block_pool.free_blocks(freed)",
+               "        for b in freed:\n            b.ref_cnt -= 1")
+    passed, total, first = _points(r, "remove_skipped")
+    assert passed == 0 and "blocks [3, 2, 1] were released but are not in it" in first, first

@@ -179,6 +179,7 @@ BAD = [
     (b'{"prompt": "hi", "min_tokens": 4}', 400, "min_tokens"),
     (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
+    (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
 ]
 
 
@@ -259,6 +260,59 @@ def test_vllm_wire_format_of_chunks_ids_and_defaults(srv):
     idle(srv)
 
 
+def test_continuous_usage_stats(srv):
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``) puts usage on every chunk: the prompt's
+    tokens and the choice's tokens so far (0 on chat's role chunk), as vLLM 0.26's stream generators; the lab
+    ignored it. Without ``include_usage`` it does nothing (``should_include_usage``)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r = srv.client.post("/v1/completions", json={"prompt": [[4, 5, 6], [7, 8]], "max_tokens": 3, "temperature": 0,
+                                                 "stream": True, "stream_options": opts})
+    events = sse(r.text)
+    seen = {0: 0, 1: 0}
+    for e in events[:-1]:
+        i = e["choices"][0]["index"]
+        seen[i] += 1
+        plen = [3, 2][i]
+        assert e["usage"] == {"prompt_tokens": plen, "completion_tokens": seen[i], "total_tokens": plen + seen[i]}
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    hi = [{"role": "user", "content": "hi"}]
+    events = sse(srv.client.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2, "temperature": 0,
+                                                               "stream": True, "stream_options": opts}).text)
+    assert [e["usage"]["completion_tokens"] for e in events] == [0, 1, 2, 2]
+    events = sse(srv.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True,
+                                                          "stream_options": {"continuous_usage_stats": True}}).text)
+    assert all("usage" not in e for e in events)
+    idle(srv)
+
+
+def test_echo_as_vllm(srv):
+    """``echo`` (the lab refused it) as vLLM 0.26's ``OpenAIServingCompletion``: the text starts with the prompt
+    (as sent, or its ids decoded); with ``return_token_ids`` no prompt text, and the ids start with the prompt's;
+    ``max_tokens`` 0 shows the prompt alone (one token is generated and counted in usage:
+    ``echo_without_generation``); a stream's first chunk carries the prompt and its ids. Chat's echo is refused."""
+    tok = tiny_tokenizer()
+    plain = completion(srv, prompt="Hello", max_tokens=4, temperature=0, return_token_ids=True)["choices"][0]
+    body = completion(srv, prompt="Hello", max_tokens=4, temperature=0, echo=True)
+    assert body["choices"][0]["text"] == "Hello" + plain["text"] and body["usage"]["completion_tokens"] == 4
+    ids = completion(srv, prompt="Hello", max_tokens=4, temperature=0, echo=True, return_token_ids=True)["choices"][0]
+    assert ids["text"] == plain["text"] and ids["token_ids"] == plain["prompt_token_ids"] + plain["token_ids"]
+    only = completion(srv, prompt="Hello", max_tokens=0, echo=True)
+    assert only["choices"][0]["text"] == "Hello" and only["choices"][0]["finish_reason"] == "length"
+    assert only["usage"]["completion_tokens"] == 1
+    toks = completion(srv, prompt=[[5, 6, 7], [9, 10]], max_tokens=3, temperature=0, echo=True)["choices"]
+    assert [c["text"][:len(tok.decode(p))] for c, p in zip(toks, [[5, 6, 7], [9, 10]], strict=True)] == [
+        tok.decode([5, 6, 7]), tok.decode([9, 10])]
+    r = srv.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "echo": True,
+                                                 "stream": True})
+    events = sse(r.text)
+    assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
+    assert events[0]["choices"][0]["text"].startswith("Hello")
+    assert events[0]["choices"][0]["prompt_token_ids"] == plain["prompt_token_ids"]
+    r = srv.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    idle(srv)
+
+
 def test_clients_may_reuse_a_request_id_and_must_send_json(srv):
     """vLLM 0.26 adds 8 random characters to the caller's ``request_id`` (``InputProcessor.assign_request_id``),
     so concurrent requests with one id all run; the lab answered the second with 400 "already in use" (an error
@@ -280,6 +334,29 @@ def test_clients_may_reuse_a_request_id_and_must_send_json(srv):
                         headers={"content-type": "text/plain"})
     assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
     idle(srv)
+
+
+def test_an_error_after_the_200_is_the_error_body_then_done(srv, monkeypatch):
+    """A streamed request that fails once its 200 is sent gets one error event with the body a non-streamed
+    error would have (type ``BadRequestError`` and its param for a refused request; ``InternalServerError``, 500
+    for a bug), then ``[DONE]``, as vLLM's ``completion_stream_generator`` (``except Exception``). The lab sent
+    the exception's class name as the type, no param, and for a bug broke the stream without ``[DONE]``."""
+    from pagedkv.engine.async_llm import InvalidRequestError
+
+    for exc, expected in ((InvalidRequestError("refused late", "prompt"), ("BadRequestError", 400, "prompt")),
+                          (RuntimeError("a bug"), ("InternalServerError", 500, None))):
+        async def failing(*args, exc=exc, **kwargs):
+            raise exc
+            yield  # an async generator, as AsyncLLM.generate
+
+        monkeypatch.setattr(srv.engine, "generate", failing)
+        r = srv.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True})
+        assert r.status_code == 200
+        (event,) = sse(r.text)
+        err = event["error"]
+        assert (err["type"], err["code"], err["param"]) == expected and err["message"] == str(exc)
+    monkeypatch.undo()
+    assert completion(srv, prompt=[1, 2], max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
 def test_disconnects_abort_and_free_blocks(srv):
@@ -367,7 +444,7 @@ def test_cache_salt_isolates_tenants(srv):
     idle(srv)
 
 
-MUTATIONS = [("n", 0, "n must be an int >= 1"), ("max_tokens", -3, "max_tokens must be"),
+MUTATIONS = [("n", 0, "n must be at least 1, got 0"), ("max_tokens", -3, "max_tokens must be"),
              ("temperature", 7.0, "temperature must be"), ("top_k", -5, "top_k must be"),
              ("top_p", 0.0, "top_p must be"), ("seed", 2**70, "seed must be"),
              ("stop_token_ids", [1, -2], "stop_token_ids")]

@@ -122,8 +122,10 @@ class RowParallelLinear(nn.Module):
 
 def vocab_range(vocab_size: int, tp_size: int, rank: int) -> range:
     """The token ids rank ``rank`` holds: contiguous ranges of ``ceil(vocab_size / tp_size)`` ids, the last
-    possibly shorter (empty ranks padded). vLLM pads each rank's share to a multiple of 64 as well
-    (``pad_vocab_size``); the lab pads only to equal shares, which the all-gather needs."""
+    possibly shorter (empty ranks padded). vLLM first pads the whole vocabulary to a multiple of 64
+    (``pad_vocab_size``, ``DEFAULT_VOCAB_PADDING_SIZE``) and splits that into equal shares
+    (``VocabParallelEmbedding.__init__``, ``vllm/model_executor/layers/vocab_parallel_embedding.py``); the lab pads
+    only to equal shares, which the all-gather needs."""
     _check_tp(tp_size, rank)
     per = -(-vocab_size // tp_size)
     return range(min(rank * per, vocab_size), min((rank + 1) * per, vocab_size))

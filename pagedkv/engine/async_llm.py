@@ -228,17 +228,22 @@ class AsyncLLM:
         request is it plus 8 random characters, as in vLLM. Mirrors ``AsyncLLM.generate``."""
         if self.errored:
             raise EngineDeadError(f"the engine loop failed: {self.dead_error}")
-        if stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none: use stop_token_ids",
-                                      "stop")
         try:
             sampling_params = sampling_params.verified()  # the one check, SamplingParams._verify_args
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        stop = list(stop) or list(sampling_params.stop)  # the keyword's, else the parameters' own (vLLM's place)
+        include_stop_str_in_output = include_stop_str_in_output or sampling_params.include_stop_str_in_output
+        if stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none: use stop_token_ids",
+                                      "stop")
         # the caller's id gets 8 random characters, so two clients sending the same request_id both run (vLLM's
         # InputProcessor.assign_request_id); the lab's own ids are unique already
         base = f"{request_id}-{uuid.uuid4().hex[:8]}" if request_id else f"req-{next(self._ids)}"
         n = sampling_params.n
+        max_tokens = sampling_params.max_tokens  # None: up to max_model_len, as vLLM's InputProcessor
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_token_ids)
         q: asyncio.Queue = asyncio.Queue()
         child_ids = [base if n == 1 else f"{base}-{j}" for j in range(n)]
         if any(rid in self._states for rid in child_ids):
@@ -248,8 +253,8 @@ class AsyncLLM:
             self._states[rid] = RequestState(rid, j, list(prompt_token_ids), params, list(stop),
                                              include_stop_str_in_output, self.tokenizer)
             self._queues[rid] = q
-            self._pending.append(("add", EngineCoreRequest(rid, list(prompt_token_ids), params,
-                                                           sampling_params.max_tokens, cache_salt, priority)))
+            self._pending.append(("add", EngineCoreRequest(rid, list(prompt_token_ids), params, max_tokens,
+                                                           cache_salt, priority)))
         assert self._wake is not None, "call await start() first"
         self._wake.set()
         remaining = set(child_ids)

@@ -13,8 +13,9 @@ Each call does two things for its layer (``module.layer_idx``):
 1. writes the step's new K and V into the paged cache at ``slot_mapping`` (``reshape_and_cache``);
 2. attends each new query to its request's tokens through the block table (the new ones included, causally).
 
-Two backends do this: ``"torch"`` (PyTorch on any device; the CPU default) and ``"triton"`` (the lab's
-kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentionImpl.forward``
+Two backends do this: ``"torch"`` (PyTorch on any device; the CPU default, whose decode rows go through a small
+compiled C kernel where the machine has a C compiler, :mod:`pagedkv.engine.cpu_kernel`) and ``"triton"`` (the
+lab's kernels, CUDA only). Mirrors vLLM 0.26's ``Attention`` layer and ``FlashAttentionImpl.forward``
 (``vllm/v1/attention/backends/flash_attn.py``), whose metadata comes from ``FlashAttentionMetadataBuilder``.
 """
 

@@ -47,7 +47,7 @@ static inline const float *slot(const float *cache, const int32_t *table, int64_
 
 /* Ask for the values PREFETCH positions ahead: the next block is anywhere in the pool, where the hardware's own
  * prefetcher, which follows addresses in order, does not look. */
-#define PREFETCH 8
+#define PREFETCH 32
 static inline void prefetch(const float *p, int64_t floats) {
     for (int64_t c = 0; c < floats; c += 16) __builtin_prefetch(p + c);
 }

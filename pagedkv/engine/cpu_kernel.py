@@ -58,25 +58,8 @@ def load() -> ctypes.CDLL | None:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + cc.encode() + _cpu_id().encode() + platform.machine().encode()).hexdigest()[:16]
     lib_path = cache_dir() / f"cpu_decode_attention-{key}.so"
-    if not lib_path.exists():
-        try:
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return None
-        for flags in FLAGS:
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
-            os.close(fd)
-            try:
-                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
-                                      capture_output=True, timeout=120).returncode == 0
-            except (OSError, subprocess.SubprocessError):
-                done = False
-            if done:
-                os.replace(tmp, lib_path)
-                break
-            os.unlink(tmp)
-        else:
-            return None
+    if not lib_path.exists() and not _build(cc, lib_path):
+        return None
     try:
         lib = ctypes.CDLL(str(lib_path))
     except OSError:
@@ -92,6 +75,30 @@ def load() -> ctypes.CDLL | None:
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether the kernel serves a model on ``device`` in ``dtype``: float32 on the CPU, the kernel built."""
     return torch.device(device).type == "cpu" and dtype == torch.float32 and load() is not None
+
+
+def _build(cc: str, lib_path: Path) -> bool:
+    """Compile :data:`SOURCE` into ``lib_path`` (each of :data:`FLAGS` in turn until one builds); ``False`` when
+    none does or the folder cannot be written."""
+    try:
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        for flags in FLAGS:
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
+            os.close(fd)
+            try:
+                built = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+                                       capture_output=True, timeout=120).returncode == 0
+                if built:
+                    os.replace(tmp, lib_path)
+                    return True
+            except subprocess.SubprocessError:
+                pass
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    except OSError:
+        return False
+    return False
 
 
 def usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

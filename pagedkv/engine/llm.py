@@ -31,6 +31,7 @@ from pagedkv.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest
 from pagedkv.engine.executor import UniProcExecutor
 from pagedkv.engine.llama import MODEL_IMPLS
 from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
+from pagedkv.engine.output_processor import RequestState
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
@@ -118,9 +119,10 @@ class _Completion:
     index: int  # completion index within the prompt
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    stop_state: RequestState | None = None  # with stop strings: the text so far, checked after every step
 
 
 class LLM:
@@ -479,11 +481,14 @@ class LLM:
                 raise ValueError(f"give one SamplingParams, or one per prompt ({len(prompt_ids)})")
         # checked again now, so a field changed after construction is refused; the engine keeps its own copies
         params_list = [p.verified() for p in params_list]
+        if self.tokenizer is None and any(p.stop for p in params_list):
+            raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
         clamped = []
         for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
             # vLLM 0.26 lets the request run and ends it at max_model_len (check_stop: FINISHED_LENGTH_CAPPED,
             # "length"); capping max_tokens ends it at the same token with the same reason
-            max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+            room = self.max_model_len - len(ids)  # max_tokens None: all of it (vLLM's InputProcessor)
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
             self._check_fits(i, len(ids), max_tokens)
             clamped.append(max_tokens)
 
@@ -498,6 +503,9 @@ class LLM:
                 rid = base if j == 0 else f"{base}-{j}"
                 requests.append(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens)))
                 completions[rid] = _Completion(i, j)
+                if child.stop:  # the API side's stop-string check, as AsyncLLM's (output_processor.RequestState)
+                    completions[rid].stop_state = RequestState(rid, j, list(ids), child, list(child.stop),
+                                                               child.include_stop_str_in_output, self.tokenizer)
         self._next_id += len(prompt_ids)
         from tqdm.auto import tqdm
 
@@ -505,6 +513,7 @@ class LLM:
         left = {i: p.n for i, p in enumerate(params_list)}
         unfinished = set(completions)
         idle = 0
+        stopped_by_string = False
         try:
             for request in requests:
                 core.add_request(request)
@@ -513,7 +522,10 @@ class LLM:
                 for out in outputs.outputs if outputs is not None else ():
                     if out.request_id in unfinished:
                         self._record(completions[out.request_id], out)
-                        if out.finished:
+                        if self._stop_string_seen(completions[out.request_id], out):
+                            core.abort_requests([out.request_id])  # between steps: its blocks return now
+                            stopped_by_string = True
+                        if completions[out.request_id].finish_reason is not None:
                             unfinished.discard(out.request_id)
                             left[completions[out.request_id].prompt_index] -= 1
                             if left[completions[out.request_id].prompt_index] == 0:
@@ -527,7 +539,24 @@ class LLM:
             raise
         finally:
             bar.close()
+        if stopped_by_string:
+            self.abort([])  # a step launched before a stop string was seen: drained, so the engine is idle
         return self._outputs(completions, prompt_ids, texts)
+
+    @staticmethod
+    def _stop_string_seen(completion: _Completion, out: EngineCoreOutput) -> bool:
+        """Check a completion's stop strings after its new tokens; when one shows, the completion finishes
+        ``"stop"`` with the string as ``stop_reason`` and its text cut there (a stop string found in the last
+        token outranks ``"length"``, as vLLM's detokenizer does). True when the engine must abort it (it was still
+        running). Mirrors ``OutputProcessor.process_outputs`` (``vllm/v1/engine/output_processor.py``)."""
+        state = completion.stop_state
+        if state is None or state.finished:
+            return False
+        state.add_tokens(out.new_token_ids, out.finish_reason, out.stop_reason, 0.0)
+        if not state.finished or state.stop_reason not in state.stop:
+            return False
+        completion.finish_reason, completion.stop_reason = state.finish_reason, state.stop_reason
+        return not out.finished
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort these requests and drain the steps still in flight, so the engine is idle and usable again."""
@@ -568,7 +597,9 @@ class LLM:
         for c in sorted(completions.values(), key=lambda c: (c.prompt_index, c.index)):
             out = outputs[c.prompt_index]
             text = None
-            if self.tokenizer is not None:
+            if c.stop_state is not None and c.stop_state.stop_reason in c.stop_state.stop:
+                text = c.stop_state.text  # cut at its stop string
+            elif self.tokenizer is not None:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             out.outputs.append(CompletionOutput(c.index, text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                                 c.num_preemptions))

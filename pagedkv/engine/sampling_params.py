@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from pagedkv.utils import check_int
@@ -21,12 +22,13 @@ class SamplingParams:
     1.0 keeps the whole distribution. ``seed`` gives the request its own ``torch.Generator``, so its samples
     do not depend on what else is in the batch or on preemption (-1: no seed). ``n`` completions per prompt
     (at most :data:`MAX_N_SEQUENCES`; greedy sampling takes ``n == 1``: ``n`` greedy copies would be one answer).
-    Generation stops at ``max_tokens``, at the model's EOS token (unless ``ignore_eos``) or at any of
-    ``stop_token_ids``.
+    Generation stops at ``max_tokens`` (``None``: where ``max_model_len`` ends the request), at the model's EOS
+    token (unless ``ignore_eos``), at any of ``stop_token_ids``, or when the text shows one of ``stop`` (a string
+    or a list; the text is cut before it, or after it with ``include_stop_str_in_output``; needs a tokenizer).
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -34,8 +36,19 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        if self.stop is None:  # vLLM's normalisation: None -> [], a string -> [it]
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif not isinstance(self.stop, list):
+            try:
+                self.stop = list(self.stop)
+            except TypeError:
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (str, bytes, list)):
             try:  # any iterable of ids (a tuple, a set, a generator), read once
                 self.stop_token_ids = list(self.stop_token_ids)
@@ -58,17 +71,30 @@ class SamplingParams:
         construction and again (through :meth:`verified`) when a request is queued, so a field changed after
         construction is checked too. Mirrors ``SamplingParams._verify_args`` and ``_verify_greedy_sampling``
         (``vllm/sampling_params.py``)."""
-        check_int(self.n, "n", 1)
-        if self.n > MAX_N_SEQUENCES:  # vLLM's message (envs.VLLM_MAX_N_SEQUENCES)
+        # the ranges in vLLM's words (its messages, its order); a wrong type is a ValueError here (vLLM: some
+        # TypeErrors), so that every bad parameter is one kind of error
+        check_int(self.n, "n", None)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N_SEQUENCES:  # envs.VLLM_MAX_N_SEQUENCES
             raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
-        check_int(self.max_tokens, "max_tokens", 1)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not 0.0 <= self.temperature <= 2.0:  # also refuses NaN and inf
-            raise ValueError(f"temperature must be >= 0 and at most 2 (0 is greedy), got {self.temperature}")
-        check_int(self.top_k, "top_k", -1, why="0 or -1: no limit")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if self.temperature > 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        check_int(self.top_k, "top_k", None)
+        if self.top_k < -1:  # -1 is quietly "no limit", as 0
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.max_tokens is not None:  # None: up to max_model_len (vLLM's InputProcessor.process_inputs)
+            check_int(self.max_tokens, "max_tokens", None)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.seed is not None and self.seed != -1:
             # completion i of n is seeded with seed + i; torch.Generator.manual_seed takes -2**63 .. 2**64 - 1
             check_int(self.seed, "seed", -(2**63), 2**64 - self.n,
@@ -81,6 +107,12 @@ class SamplingParams:
                 check_int(t, "each of stop_token_ids", 0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(t, str) for t in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(not t for t in self.stop):  # vLLM's message
+            raise ValueError("stop cannot contain an empty string.")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         if self.temperature == 0.0 and self.n > 1:  # vLLM's _verify_greedy_sampling, its message
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 

@@ -62,7 +62,9 @@ def error_body(message: str, err_type: str, status: int, param: str | None = Non
     return P.ErrorResponse(error=info).model_dump()
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_fields(exc: BaseException) -> tuple[HTTPStatus, str, str | None]:
+    """``(status, type, param)`` of the error body for ``exc``. Mirrors ``create_error_response``'s cases; an
+    :class:`EngineDeadError` is a 503 here (vLLM: 500), as ``/health`` says."""
     if isinstance(exc, ServingError):
         status, err_type, param = exc.status, exc.err_type, exc.param
     elif isinstance(exc, InvalidRequestError):
@@ -73,6 +75,11 @@ def error_response(exc: BaseException) -> JSONResponse:
         status, err_type, param = HTTPStatus.SERVICE_UNAVAILABLE, "EngineDeadError", None
     else:
         status, err_type, param = HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError", None
+    return status, err_type, param
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, err_type, param = error_fields(exc)
     return JSONResponse(error_body(str(exc), err_type, status, param), status_code=int(status))
 
 
@@ -209,6 +216,17 @@ class OpenAIServing:
         for p in prompt:
             out.append(self.tokenize(p) if isinstance(p, str) else list(p))
         return out
+
+    def prompt_texts(self, request: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text, for ``echo``: as sent, or its token ids decoded (vLLM's ``_detokenize_prompt``:
+        ``tokenizer.decode``, special tokens kept)."""
+        sent = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt or [])
+        if len(sent) != len(prompts):  # one prompt of token ids
+            sent = [prompts[0]]
+        if self.tokenizer is None and not all(isinstance(p, str) for p in sent):
+            raise ServingError("echo of token-id prompts needs a tokenizer; this model has none: use "
+                               "return_token_ids", HTTPStatus.BAD_REQUEST, "echo")
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(sent, prompts, strict=True)]
 
     def render_chat(self, request: P.ChatCompletionRequest) -> list[int]:
         if not self.has_chat_template:
@@ -360,6 +378,14 @@ class CompletionRun:
         return sum(map(len, self.token_ids))
 
 
+def should_include_usage(stream_options: P.StreamOptions | None) -> tuple[bool, bool]:
+    """``(include_usage, continuous)``: a usage chunk at the end, and usage on every chunk (the choice's tokens so
+    far; only with ``include_usage``). Mirrors ``should_include_usage`` (``vllm/entrypoints/serve/utils/
+    api_utils.py``; the lab has no ``--enable-force-include-usage``)."""
+    include = bool(stream_options and stream_options.include_usage)
+    return include, include and bool(stream_options and stream_options.continuous_usage_stats)
+
+
 def _sse(obj: Any, final: bool = False) -> str:
     """One server-sent event. A chunk carries the fields set on it (vLLM sets ``object``, ``logprobs`` and the
     token-id fields on every chunk, ``null`` when not asked for); the ``final`` usage chunk drops its ``null`` ones
@@ -371,14 +397,15 @@ def _sse(obj: Any, final: bool = False) -> str:
 
 
 async def _stream_with_error(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Server-sent events ending in ``data: [DONE]``; an error after the 200 is sent as an error event, as vLLM
-    does (``create_streaming_error_response``)."""
+    """Server-sent events ending in ``data: [DONE]``; any error after the 200 is sent as an error event with the
+    body a non-streamed error would have (its type and param), as vLLM's stream generators do
+    (``except Exception``: ``create_streaming_error_response``)."""
     try:
         async for chunk in chunks:
             yield chunk
-    except (InvalidRequestError, ServingError, EngineDeadError, ValueError) as exc:
-        status = getattr(exc, "status", HTTPStatus.BAD_REQUEST)
-        yield f"data: {json.dumps(error_body(str(exc), type(exc).__name__, int(status)))}\n\n"
+    except Exception as exc:  # noqa: BLE001 - reported to the client, the stream still ends in [DONE]
+        status, err_type, param = error_fields(exc)
+        yield f"data: {json.dumps(error_body(str(exc), err_type, int(status), param))}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -448,14 +475,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
     @with_cancellation
     async def create_completion(request: P.CompletionRequest, raw_request: Request) -> Any:
         prompts = serving.render_completion(request)
-        params = serving.prepare(request, prompts, request.max_tokens)
+        # echo: each choice starts with its prompt; echo with max_tokens 0 generates one token and shows the
+        # prompt alone (vLLM's echo_without_generation, whose usage still counts that token)
+        echo = bool(request.echo)
+        echo_only = echo and request.max_tokens == 0
+        params = serving.prepare(request, prompts, 1 if echo_only else request.max_tokens)
         request_id = f"cmpl-{request.request_id}"
         created = int(time.time())
         num_choices = request.n
-        merged = merge_async_iterators(*serving.generators(request, request_id, prompts, params))
         with_ids = bool(request.return_token_ids)
+        # vLLM echoes no prompt text when token ids are returned (they say it)
+        prompt_texts = serving.prompt_texts(request, prompts) if echo and not with_ids else [""] * len(prompts)
+        merged = merge_async_iterators(*serving.generators(request, request_id, prompts, params))
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            include_usage, continuous = should_include_usage(request.stream_options)
 
             async def stream() -> AsyncIterator[str]:
                 run = CompletionRun(num_choices * len(prompts))
@@ -463,12 +496,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                     i = p * num_choices + d.index
                     first = not run.token_ids[i] and run.finish[i] is None  # the prompt's ids ride on it
                     run.add(i, d)
+                    text = "" if echo_only else d.text
+                    usage = {"usage": serving.usage([prompts[p]], len(run.token_ids[i]), None)} if continuous else {}
                     yield _sse(P.CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=serving.model_name,
                         choices=[P.CompletionResponseStreamChoice(
-                            index=i, text=d.text, logprobs=None, finish_reason=d.finish_reason,
-                            stop_reason=d.stop_reason, prompt_token_ids=prompts[p] if with_ids and first else None,
-                            token_ids=d.token_ids if with_ids else None)]))
+                            index=i, text=prompt_texts[p] + text if echo and first else text, logprobs=None,
+                            finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                            prompt_token_ids=prompts[p] if (with_ids or echo) and first else None,
+                            token_ids=d.token_ids if with_ids else None)], **usage))
                 if include_usage:
                     yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=serving.model_name,
                                                           choices=[], usage=serving.usage(prompts,
@@ -481,13 +517,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         run = CompletionRun(num_choices * len(prompts))
         async for p, d in merged:
             run.add(p * num_choices + d.index, d)
-        choices = [
-            P.CompletionResponseChoice(index=i, text=run.text[i], finish_reason=run.finish[i],
-                                       stop_reason=run.stop_reason[i],
-                                       prompt_token_ids=prompts[i // num_choices] if with_ids else None,
-                                       token_ids=run.token_ids[i] if with_ids else None)
-            for i in range(len(run.text))
-        ]
+        choices = []
+        for i in range(len(run.text)):
+            p = i // num_choices
+            text, ids = ("", []) if echo_only else (run.text[i], run.token_ids[i])
+            if echo:
+                text, ids = prompt_texts[p] + text, prompts[p] + ids
+            choices.append(P.CompletionResponseChoice(index=i, text=text, finish_reason=run.finish[i],
+                                                      stop_reason=run.stop_reason[i],
+                                                      prompt_token_ids=prompts[p] if with_ids else None,
+                                                      token_ids=ids if with_ids else None))
         body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
                                     usage=serving.usage(prompts, run.completion_tokens, run.cached))
         return JSONResponse(body.model_dump(exclude_none=False))
@@ -506,22 +545,24 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         chunk = functools.partial(P.ChatCompletionStreamResponse, id=request_id, object="chat.completion.chunk",
                                   created=created, model=serving.model_name)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            include_usage, continuous = should_include_usage(request.stream_options)
 
             async def stream() -> AsyncIterator[str]:
                 run = CompletionRun(request.n)
                 for i in range(request.n):  # the role first, and the prompt's ids once (vLLM's first chunks)
+                    usage = {"usage": serving.usage([prompt], 0, None)} if continuous else {}
                     yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
                         index=i, delta=P.DeltaMessage(role="assistant", content=""), logprobs=None,
-                        finish_reason=None)], prompt_token_ids=prompt if with_ids else None))
+                        finish_reason=None)], prompt_token_ids=prompt if with_ids else None, **usage))
                 async for _, d in merged:
                     run.add(d.index, d)
                     ids = {"token_ids": d.token_ids if with_ids else None}
                     if d.finish_reason is not None:  # only the last chunk of a choice has its stop_reason
                         ids["stop_reason"] = d.stop_reason
+                    usage = {"usage": serving.usage([prompt], len(run.token_ids[d.index]), None)} if continuous else {}
                     yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
                         index=d.index, delta=P.DeltaMessage(content=d.text), logprobs=None,
-                        finish_reason=d.finish_reason, **ids)]))
+                        finish_reason=d.finish_reason, **ids)], **usage))
                 if include_usage:
                     yield _sse(chunk(choices=[], usage=serving.usage([prompt], run.completion_tokens, run.cached)),
                                final=True)

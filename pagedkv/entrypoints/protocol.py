@@ -5,7 +5,7 @@ Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/op
 ``vllm/entrypoints/openai/chat_completion/protocol.py`` (``ChatCompletionRequest``) and
 ``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``).
 The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve (``logprobs``,
-``echo``, beam search, the penalties, ``min_p``, ``min_tokens``, ``logit_bias``, ...: :data:`UNSERVED`), with
+beam search, the penalties, ``min_p``, ``min_tokens``, ``logit_bias``, ...: :data:`UNSERVED`), with
 vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
 if it had not (a deliberate difference: vLLM serves them). As in vLLM, any other field is accepted and ignored
 (``OpenAIBaseModel`` has ``extra="allow"``). vLLM's ``mode="before"`` request validators are here with their
@@ -34,7 +34,7 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
     "min_p": (None, 0.0), "min_tokens": (None, 0), "logit_bias": (None, {}), "allowed_token_ids": (None,),
     "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
-    "suffix": (None, ""), "top_logprobs": (None, 0), "use_beam_search": (False,), "echo": (None, False),
+    "suffix": (None, ""), "top_logprobs": (None, 0), "use_beam_search": (False,),
     "logprobs": (None, False),
 }
 
@@ -124,9 +124,14 @@ class _SamplingFields(OpenAIBaseModel):
         return data
 
     def unserved(self) -> str | None:
-        """The first field of :data:`UNSERVED` this request sets to a value the engine cannot serve."""
+        """The first field of :data:`UNSERVED` this request sets to a value the engine cannot serve. A bool is
+        only ``False``, not ``0`` (completions' ``"logprobs": 0`` asks for the sampled token's logprob)."""
         fields = {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
-        return next((k for k, ok in UNSERVED.items() if k in fields and fields[k] not in ok), None)
+
+        def off(value: Any, ok: tuple[Any, ...]) -> bool:
+            return any(value is v or (isinstance(value, bool) == isinstance(v, bool) and value == v) for v in ok)
+
+        return next((k for k, ok in UNSERVED.items() if k in fields and not off(fields[k], ok)), None)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -179,6 +184,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    def unserved(self) -> str | None:
+        """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not)."""
+        return super().unserved() or ("echo" if (self.model_extra or {}).get("echo") else None)
 
     @model_validator(mode="before")
     @classmethod

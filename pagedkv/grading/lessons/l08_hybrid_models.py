@@ -156,6 +156,11 @@ def _remove_case(remove_skipped_blocks, bs: int, window: int, prompt: int, calls
         if got["ref_cnt"] != want["ref_cnt"]:
             fail(f"{head} the blocks' ref_cnt are {got['ref_cnt']}, expected {want['ref_cnt']}: each released block "
                  "goes back to the pool once (manager.block_pool.free_blocks), the null block never")
+        missing = [b for b in want["free queue"] if b not in got["free queue"]]
+        if missing and got["ref_cnt"] == want["ref_cnt"]:
+            fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}: blocks {missing} "
+                 "were released but are not in it; give them back with manager.block_pool.free_blocks(blocks), "
+                 "which lowers their ref_cnt and appends them to the queue's tail")
         if sorted(got["free queue"]) == sorted(want["free queue"]):
             fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}: free the released "
                  "blocks newest first (from the last released position back to 0), so the pool evicts the deepest "
