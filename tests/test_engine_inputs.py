@@ -205,3 +205,19 @@ def test_max_tokens_none_generates_up_to_max_model_len(llm):
     assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(PROMPT), 62]
     assert {o.outputs[0].finish_reason for o in out} == {"length"}
     assert engine_state(llm) == before
+
+
+def test_a_stop_tokens_text_is_not_in_the_output():
+    """vLLM 0.26's detokenizer skips the text of the token that stopped a request (a stop token id or EOS) unless
+    ``include_stop_str_in_output`` (``IncrementalDetokenizer.update(..., stop_terminated)``); its id stays in
+    ``token_ids``. The lab's text ended with the stop token's text."""
+    from pagedkv.entrypoints.tiny import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    llm = LLM(tiny_model(0), tokenizer=tok, num_gpu_blocks=40, block_size=8, max_model_len=64)
+    ids = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0].token_ids
+    for include in (False, True):
+        sp = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[ids[3]], include_stop_str_in_output=include)
+        out = llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:4], "stop", ids[3])
+        assert out.text == tok.decode(ids[:4] if include else ids[:3], skip_special_tokens=True)

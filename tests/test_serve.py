@@ -421,6 +421,11 @@ def test_sampling_parameters_n_seed_and_stop(srv):
     stopped = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, stop_token_ids=[ids["token_ids"][2]],
                          return_token_ids=True)["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == ids["token_ids"][:3]
+    tok = tiny_tokenizer()  # the stop token's text is not in the output (vLLM's detokenizer skips it)
+    assert stopped["text"] == tok.decode(ids["token_ids"][:2], skip_special_tokens=True)
+    r = srv.client.post("/v1/completions", json={"prompt": [9, 8, 7], "max_tokens": 10, "temperature": 0,
+                                                 "stop_token_ids": [ids["token_ids"][2]], "stream": True})
+    assert "".join(c["text"] for e in sse(r.text) for c in e["choices"]) == stopped["text"]
     idle(srv)
 
 
