@@ -221,3 +221,19 @@ def test_a_stop_tokens_text_is_not_in_the_output():
         out = llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:4], "stop", ids[3])
         assert out.text == tok.decode(ids[:4] if include else ids[:3], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("include, held", [(False, 3), (True, 0)])
+def test_stream_holds_back_a_possible_stop_string_only_when_it_would_be_cut(include, held):
+    """A streamed completion holds back ``max(len(stop)) - 1`` characters (they might begin a stop string that
+    would be cut away), as vLLM's ``output_text_buffer_length``; with ``include_stop_str_in_output`` vLLM holds
+    back nothing (the cut falls after the string), and the lab held back all the same."""
+    from pagedkv.engine.output_processor import RequestState
+    from pagedkv.entrypoints.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ids = tok("PagedAttention stores the keys")["input_ids"]
+    state = RequestState("r", 0, [1], SamplingParams(), ["zzzz"], include, tok)
+    shown = "".join(state.add_tokens([t], None, None, 0.0).text for t in ids)
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert shown == text[:len(text) - held]

@@ -94,8 +94,10 @@ class RequestState:
         return self.finish_reason is not None
 
     def _hold_back(self) -> int:
-        """Characters at the end of ``text`` not yet safe to send: a possible stop-string prefix."""
-        if not self.stop or self.finished:
+        """Characters at the end of ``text`` not yet safe to send: a possible stop-string prefix. None with
+        ``include_stop_str_in_output``: the text is then cut after a stop string, which ends in text not sent yet
+        (vLLM's ``output_text_buffer_length``, 0 in that case: ``SamplingParams.__post_init__``)."""
+        if not self.stop or self.finished or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self.stop) - 1
 
