@@ -221,6 +221,9 @@ def test_a_stop_tokens_text_is_not_in_the_output():
         out = llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:4], "stop", ids[3])
         assert out.text == tok.decode(ids[:4] if include else ids[:3], skip_special_tokens=True)
+    # vLLM's output fields a caller reads are there (the lab computes no logprobs: None, as vLLM without them)
+    result = llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert (result.prompt_logprobs, result.outputs[0].logprobs, result.outputs[0].cumulative_logprob) == (None,) * 3
 
 
 @pytest.mark.parametrize("include, held", [(False, 3), (True, 0)])
