@@ -181,6 +181,7 @@ BAD = [
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
     (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
+    (b'{"prompt": "hi", "suffix": ""}', 400, "suffix"),  # vLLM: "suffix is not currently supported"
     (json.dumps({"prompt": [600] * MAX_MODEL_LEN}).encode(), 400, "input_tokens"),  # vLLM: the length first
     (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', 400, "response_format"),
 ]
@@ -210,6 +211,8 @@ def test_bad_chat_requests(srv):
             ({"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 400, None),
             ({"messages": hi, "continue_final_message": True}, 400, None),  # the template refuses the pair
             ({"messages": hi, "logprobs": True}, 400, "logprobs"),
+            ({"messages": hi, "chat_template": "{{ 'x' }}"}, 400, None),  # vLLM: untrusted without a flag
+            ({"messages": hi, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, 400, None),
             # chat without max_tokens: the room left; none left is vLLM's "max_tokens must be at least 1, got 0."
             ({"messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN - 19)}]}, 400, "max_tokens"),  # 256 tok
             ({"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, 400, "input_tokens")):

@@ -234,6 +234,9 @@ class OpenAIServing:
                                HTTPStatus.BAD_REQUEST, "messages")
         if not request.messages:
             raise ServingError("messages must not be empty", HTTPStatus.BAD_REQUEST, "messages")
+        if request.untrusted_chat_template():  # vLLM's message
+            raise ServingError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                               "Refused request with untrusted chat template.", HTTPStatus.BAD_REQUEST)
         messages = []
         for m in request.messages:
             content = m.content
