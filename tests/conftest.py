@@ -41,10 +41,99 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the chunks are cut from what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = long_poles_first(items, _worksteal_workers(config))
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none found: torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ------------------------------------------------------------------------------------------ the order of the tests
+# `./lab test` runs pytest-xdist's worksteal scheduler: it cuts the collection into one contiguous chunk per worker
+# (chunk i gets len(left) // (workers left) items), each worker runs its chunk in order, and a worker that runs out
+# steals the second half of the longest queue. A long test that starts late is then the run's tail, with the other
+# worker idle. So the long poles go first, dealt over the chunks (longest first, each to the chunk with the fewest
+# seconds so far), and the rest keeps its order behind them (a module's tests together, so that a module-scoped
+# fixture is set up once per chunk): what is left to steal at the end is short. The seconds only order the tests
+# (a wrong one costs balance, never a verdict): a run on 2 cores, `pytest -n auto --durations=100`, rounded.
+LONG_POLE_SECONDS = {
+    "graded": 140,  # tests/test_grading.py's module fixture (four `pagedkv grade` calls): its tests move together
+    "notebooks/09_serving_online.ipynb": 50, "notebooks/02_block_pool.ipynb": 48,
+    "notebooks/06_paged_attention_kernel.ipynb": 39, "notebooks/03_prefix_caching.ipynb": 26,
+    "notebooks/04_scheduling.ipynb": 25, "notebooks/10_tensor_parallelism.ipynb": 20,
+    "notebooks/00_primer.ipynb": 17, "notebooks/07_serving_engine.ipynb": 16,
+    "tests/test_grading_hidden.py::test_set05_no_other_copy_of_an_answer_scores": 17,
+    "tests/test_kv_faithful_fuzz.py::test_fuzz_thousands_of_runs": 14,
+    "tests/test_tensor_parallel.py::test_no_orphan_after_a_failing_test": 14,
+}
+NOTEBOOK_SECONDS = 8  # a notebook not listed above
+SLOW_SECONDS = 3  # any other test marked slow
+
+
+def _worksteal_workers(config: pytest.Config) -> int:
+    """How many xdist workers cut this collection into chunks (1: no xdist, or another scheduler)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or config.getoption("dist", "no") != "worksteal":
+        return 1
+    return int(workerinput.get("workercount", 1))
+
+
+def _own_wide_fixtures(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-, package- or session-scoped fixture of this suite's (moved on its own, it
+    would set that fixture up on another worker too)."""
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for d in defs:
+            if d.scope != "function" and str(d.baseid).startswith("tests"):
+                return True
+    return False
+
+
+def _seconds(item: pytest.Item) -> float | None:
+    """The item's known seconds (None: it is not a long pole, it stays where it is)."""
+    callspec = getattr(item, "callspec", None)
+    if "notebooks" in item.keywords and callspec is not None:
+        return LONG_POLE_SECONDS.get(callspec.id, NOTEBOOK_SECONDS)
+    if item.nodeid in LONG_POLE_SECONDS:
+        return LONG_POLE_SECONDS[item.nodeid]
+    if "slow" in item.keywords and not _own_wide_fixtures(item):
+        return SLOW_SECONDS
+    return None
+
+
+def long_poles_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """``items`` reordered for ``workers`` worksteal chunks: in each chunk its long poles, longest first, then
+    its share of the rest in the collection's order. The same items, and the same order in every worker (xdist
+    checks that the workers' collections agree)."""
+    units: list[tuple[float, int, list[pytest.Item]]] = []  # (seconds, first position, items)
+    graded = [item for item in items if "graded" in getattr(item, "fixturenames", ())]
+    if graded:
+        units.append((LONG_POLE_SECONDS["graded"], items.index(graded[0]), graded))
+    moved = {id(item) for item in graded}
+    for i, item in enumerate(items):
+        seconds = None if id(item) in moved else _seconds(item)
+        if seconds is not None:
+            units.append((seconds, i, [item]))
+            moved.add(id(item))
+    rest = [item for item in items if id(item) not in moved]
+    sizes, left = [], len(items)
+    for w in range(workers):  # what WorkStealingScheduling.check_schedule sends each idle worker first
+        sizes.append(left // (workers - w))
+        left -= sizes[-1]
+    chunks: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for seconds, _, unit in sorted(units, key=lambda u: (-u[0], u[1])):
+        fits = [c for c in range(workers) if len(chunks[c]) + len(unit) <= sizes[c]] or list(range(workers))
+        c = min(fits, key=lambda c: (load[c], c))
+        chunks[c] += unit
+        load[c] += seconds
+    for c in range(workers):
+        take = max(0, sizes[c] - len(chunks[c]))
+        chunks[c] += rest[:take]
+        rest = rest[take:]
+    chunks[-1] += rest
+    return [item for chunk in chunks for item in chunk]

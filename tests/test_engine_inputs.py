@@ -205,3 +205,38 @@ def test_max_tokens_none_generates_up_to_max_model_len(llm):
     assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(PROMPT), 62]
     assert {o.outputs[0].finish_reason for o in out} == {"length"}
     assert engine_state(llm) == before
+
+
+def test_a_stop_tokens_text_is_not_in_the_output():
+    """vLLM 0.26's detokenizer skips the text of the token that stopped a request (a stop token id or EOS) unless
+    ``include_stop_str_in_output`` (``IncrementalDetokenizer.update(..., stop_terminated)``); its id stays in
+    ``token_ids``. The lab's text ended with the stop token's text."""
+    from pagedkv.entrypoints.tiny import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    llm = LLM(tiny_model(0), tokenizer=tok, num_gpu_blocks=40, block_size=8, max_model_len=64)
+    ids = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0].token_ids
+    for include in (False, True):
+        sp = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[ids[3]], include_stop_str_in_output=include)
+        out = llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == (ids[:4], "stop", ids[3])
+        assert out.text == tok.decode(ids[:4] if include else ids[:3], skip_special_tokens=True)
+    # vLLM's output fields a caller reads are there (the lab computes no logprobs: None, as vLLM without them)
+    result = llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert (result.prompt_logprobs, result.outputs[0].logprobs, result.outputs[0].cumulative_logprob) == (None,) * 3
+
+
+@pytest.mark.parametrize("include, held", [(False, 3), (True, 0)])
+def test_stream_holds_back_a_possible_stop_string_only_when_it_would_be_cut(include, held):
+    """A streamed completion holds back ``max(len(stop)) - 1`` characters (they might begin a stop string that
+    would be cut away), as vLLM's ``output_text_buffer_length``; with ``include_stop_str_in_output`` vLLM holds
+    back nothing (the cut falls after the string), and the lab held back all the same."""
+    from pagedkv.engine.output_processor import RequestState
+    from pagedkv.entrypoints.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ids = tok("PagedAttention stores the keys")["input_ids"]
+    state = RequestState("r", 0, [1], SamplingParams(), ["zzzz"], include, tok)
+    shown = "".join(state.add_tokens([t], None, None, 0.0).text for t in ids)
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert shown == text[:len(text) - held]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -306,6 +307,24 @@ def _sleepers() -> list[str]:
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
+    """What the four grade calls printed and reported, graded once per run. Under pytest-xdist a worker that steals
+    some of this module's tests reads the first worker's result (written under the run's shared temporary folder,
+    a lock around it) instead of grading all of it again beside that worker."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _grade_all(tmp_path_factory)
+    from filelock import FileLock  # torch's dependency
+
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, shared by its workers
+    with FileLock(str(shared / "graded.lock")):
+        result = shared / "graded.pickle"
+        if result.is_file():
+            return pickle.loads(result.read_bytes())
+        out = _grade_all(tmp_path_factory)
+        result.write_bytes(pickle.dumps(out))
+        return out
+
+
+def _grade_all(tmp_path_factory) -> dict:
     """Run the four grade calls at once; return what each printed and reported."""
     tmp = tmp_path_factory.mktemp("graded")
     variants = {name: make_variant(tmp / name, a, x) for name, (a, x) in VARIANTS.items()}

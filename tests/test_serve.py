@@ -180,6 +180,10 @@ BAD = [
     (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
     (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
+    (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
+    (b'{"prompt": "hi", "suffix": ""}', 400, "suffix"),  # vLLM: "suffix is not currently supported"
+    (json.dumps({"prompt": [600] * MAX_MODEL_LEN}).encode(), 400, "input_tokens"),  # vLLM: the length first
+    (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', 400, "response_format"),
 ]
 
 
@@ -206,7 +210,12 @@ def test_bad_chat_requests(srv):
             ({"messages": hi, "n": 3, "temperature": 0.0}, 400, "n"),
             ({"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 400, None),
             ({"messages": hi, "continue_final_message": True}, 400, None),  # the template refuses the pair
-            ({"messages": hi, "logprobs": True}, 400, "logprobs")):
+            ({"messages": hi, "logprobs": True}, 400, "logprobs"),
+            ({"messages": hi, "chat_template": "{{ 'x' }}"}, 400, None),  # vLLM: untrusted without a flag
+            ({"messages": hi, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, 400, None),
+            # chat without max_tokens: the room left; none left is vLLM's "max_tokens must be at least 1, got 0."
+            ({"messages": [{"role": "user", "content": "x" * (MAX_MODEL_LEN - 19)}]}, 400, "max_tokens"),  # 256 tok
+            ({"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, 400, "input_tokens")):
         r = srv.client.post("/v1/chat/completions", json=body)
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["code"] == status
@@ -258,6 +267,55 @@ def test_vllm_wire_format_of_chunks_ids_and_defaults(srv):
     text = tiny_tokenizer().decode(open_["prompt_token_ids"])
     assert text.endswith("<|assistant|>Once upon"), text
     idle(srv)
+
+
+def test_continuous_usage_stats(srv):
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``) puts usage on every chunk: the prompt's
+    tokens and the choice's tokens so far (0 on chat's role chunk), as vLLM 0.26's stream generators; the lab
+    ignored it. Without ``include_usage`` it does nothing (``should_include_usage``)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r = srv.client.post("/v1/completions", json={"prompt": [[4, 5, 6], [7, 8]], "max_tokens": 3, "temperature": 0,
+                                                 "stream": True, "stream_options": opts})
+    events = sse(r.text)
+    seen = {0: 0, 1: 0}
+    for e in events[:-1]:
+        i = e["choices"][0]["index"]
+        seen[i] += 1
+        plen = [3, 2][i]
+        assert e["usage"] == {"prompt_tokens": plen, "completion_tokens": seen[i], "total_tokens": plen + seen[i]}
+    assert events[-1]["usage"]["completion_tokens"] == 6
+    hi = [{"role": "user", "content": "hi"}]
+    events = sse(srv.client.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2, "temperature": 0,
+                                                               "stream": True, "stream_options": opts}).text)
+    assert [e["usage"]["completion_tokens"] for e in events] == [0, 1, 2, 2]
+    events = sse(srv.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True,
+                                                          "stream_options": {"continuous_usage_stats": True}}).text)
+    assert all("usage" not in e for e in events)
+    idle(srv)
+
+
+def test_add_special_tokens_as_vllm():
+    """``add_special_tokens`` (vLLM 0.26: True for completions, False for chat, where the template has them) is
+    passed to the tokenizer; the lab ignored it. The tiny tokenizer adds nothing, so a tokenizer that adds a BOS
+    stands in: a served prompt is one token longer with it."""
+    from pagedkv.entrypoints.api_server import OpenAIServing
+    from pagedkv.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+    class BOS:
+        chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, continue_final_message):
+            return "".join(m["content"] for m in messages)
+
+    serving = OpenAIServing(SimpleNamespace(tokenizer=BOS()), ["m"], "m")
+    assert serving.render_completion(CompletionRequest(prompt="ab")) == [[1, 97, 98]]
+    assert serving.render_completion(CompletionRequest(prompt=["ab"], add_special_tokens=False)) == [[97, 98]]
+    hi = [{"role": "user", "content": "ab"}]
+    assert serving.render_chat(ChatCompletionRequest(messages=hi)) == [97, 98]
+    assert serving.render_chat(ChatCompletionRequest(messages=hi, add_special_tokens=True)) == [1, 97, 98]
 
 
 def test_echo_as_vllm(srv):
@@ -396,6 +454,11 @@ def test_sampling_parameters_n_seed_and_stop(srv):
     stopped = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, stop_token_ids=[ids["token_ids"][2]],
                          return_token_ids=True)["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == ids["token_ids"][:3]
+    tok = tiny_tokenizer()  # the stop token's text is not in the output (vLLM's detokenizer skips it)
+    assert stopped["text"] == tok.decode(ids["token_ids"][:2], skip_special_tokens=True)
+    r = srv.client.post("/v1/completions", json={"prompt": [9, 8, 7], "max_tokens": 10, "temperature": 0,
+                                                 "stop_token_ids": [ids["token_ids"][2]], "stream": True})
+    assert "".join(c["text"] for e in sse(r.text) for c in e["choices"]) == stopped["text"]
     idle(srv)
 
 

@@ -183,18 +183,14 @@ class AsyncLLM:
         """Check one prompt against the model and the pool; return the ``max_tokens`` to use (``None``: all
         the room ``max_model_len`` leaves). ``InvalidRequestError`` otherwise. Mirrors vLLM's
         ``get_max_tokens`` (``vllm/entrypoints/serve/utils/api_utils.py``), ``TokenizeParams._token_len_check``
-        (``vllm/renderers/params.py``) and ``InputProcessor`` (``vllm/v1/engine/input_processor.py``)."""
+        (``vllm/renderers/params.py``) and ``InputProcessor`` (``vllm/v1/engine/input_processor.py``), in vLLM's
+        order: the length (against ``max_tokens or 0``), then ``max_tokens`` (chat's ``None`` is the room left,
+        which a prompt of ``max_model_len`` tokens makes 0), then the vocabulary."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("The prompt is empty: a request needs at least one token.", "prompt")
-        vocab = self.llm.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"Token id {max(bad)} is out of vocabulary (0..{vocab - 1}).", "prompt")
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-        if n >= self.max_model_len or (max_tokens is not None and n + max_tokens > self.max_model_len):
-            want = 1 if max_tokens is None else max_tokens
+        want = max_tokens or 0  # TokenizeParams(max_output_tokens=max_tokens or 0)
+        if n > self.max_model_len - want:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{want} output tokens and your prompt contains {n} input tokens, for a total of {n + want} "
@@ -202,6 +198,12 @@ class AsyncLLM:
                 "input_tokens")
         if max_tokens is None:
             max_tokens = self.max_model_len - n
+        if max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        vocab = self.llm.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"Token id {max(bad)} is out of vocabulary (0..{vocab - 1}).", "prompt")
         try:
             self.llm._check_fits(0, n, max_tokens)
         except ValueError as exc:

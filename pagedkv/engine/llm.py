@@ -31,7 +31,7 @@ from pagedkv.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest
 from pagedkv.engine.executor import UniProcExecutor
 from pagedkv.engine.llama import MODEL_IMPLS
 from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
-from pagedkv.engine.output_processor import RequestState
+from pagedkv.engine.output_processor import RequestState, decode_output
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
@@ -123,6 +123,7 @@ class _Completion:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_state: RequestState | None = None  # with stop strings: the text so far, checked after every step
+    include_stop_str_in_output: bool = False  # a stop token's text too
 
 
 class LLM:
@@ -502,7 +503,7 @@ class LLM:
                 child = params.for_child(j) if params.n > 1 else params
                 rid = base if j == 0 else f"{base}-{j}"
                 requests.append(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens)))
-                completions[rid] = _Completion(i, j)
+                completions[rid] = _Completion(i, j, include_stop_str_in_output=child.include_stop_str_in_output)
                 if child.stop:  # the API side's stop-string check, as AsyncLLM's (output_processor.RequestState)
                     completions[rid].stop_state = RequestState(rid, j, list(ids), child, list(child.stop),
                                                                child.include_stop_str_in_output, self.tokenizer)
@@ -600,7 +601,7 @@ class LLM:
             if c.stop_state is not None and c.stop_state.stop_reason in c.stop_state.stop:
                 text = c.stop_state.text  # cut at its stop string
             elif self.tokenizer is not None:
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                text = decode_output(self.tokenizer, c.token_ids, c.finish_reason, c.include_stop_str_in_output)
             out.outputs.append(CompletionOutput(c.index, text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                                 c.num_preemptions))
             out.num_preemptions += c.num_preemptions

@@ -43,6 +43,17 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: list[str], i
     return None
 
 
+def decode_output(tokenizer: Any, token_ids: list[int], finish_reason: str | None, include_stop_str_in_output: bool
+                  ) -> str:
+    """A completion's text: its tokens decoded (special tokens skipped), without the last one when the engine
+    stopped it on a stop token or EOS (``finish_reason == "stop"``) unless ``include_stop_str_in_output``: a stop
+    token is no part of the answer. Mirrors ``IncrementalDetokenizer.update(new_token_ids, stop_terminated)``
+    (``vllm/v1/engine/detokenizer.py``), which skips that token's text."""
+    if finish_reason == "stop" and not include_stop_str_in_output:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
 @dataclass
 class CompletionDelta:
     """What one step added to one completion: the new text and token ids; ``finish_reason`` once it ends."""
@@ -83,8 +94,10 @@ class RequestState:
         return self.finish_reason is not None
 
     def _hold_back(self) -> int:
-        """Characters at the end of ``text`` not yet safe to send: a possible stop-string prefix."""
-        if not self.stop or self.finished:
+        """Characters at the end of ``text`` not yet safe to send: a possible stop-string prefix. None with
+        ``include_stop_str_in_output``: the text is then cut after a stop string, which ends in text not sent yet
+        (vLLM's ``output_text_buffer_length``, 0 in that case: ``SamplingParams.__post_init__``)."""
+        if not self.stop or self.finished or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self.stop) - 1
 
@@ -114,8 +127,9 @@ class RequestState:
         self.output_token_ids.extend(token_ids)
         if self.tokenizer is not None and token_ids:
             before = len(self.text)
-            self.text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
-            if not self._check_stop_strings(len(self.text) - before) and finish_reason is not None:
+            self.text = decode_output(self.tokenizer, self.output_token_ids, finish_reason,
+                                      self.include_stop_str_in_output)
+            if not self._check_stop_strings(max(0, len(self.text) - before)) and finish_reason is not None:
                 self.finish_reason, self.stop_reason = finish_reason, stop_reason
         elif finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason

@@ -8,16 +8,19 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     """One of a prompt's ``n`` completions: its tokens, their text (when a tokenizer exists) and why it
-    stopped (``"length"``: ``max_tokens`` reached; ``"stop"``: EOS or a stop token; ``"abort"``);
-    ``stop_reason`` is the stop token id that ended it (``None`` for the tokenizer's EOS or a length cap).
-    ``num_preemptions`` counts how often this sequence was preempted (lab addition)."""
+    stopped (``"length"``: ``max_tokens`` reached; ``"stop"``: EOS, a stop token or a stop string; ``"abort"``);
+    ``stop_reason`` is the stop token id or stop string that ended it (``None`` for the tokenizer's EOS or a
+    length cap). ``num_preemptions`` counts how often this sequence was preempted (lab addition).
+    ``cumulative_logprob`` and ``logprobs`` are vLLM's fields, always ``None``: the lab computes no logprobs."""
 
     index: int
     text: str | None
     token_ids: list[int]
     finish_reason: str | None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     num_preemptions: int = 0
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -27,7 +30,8 @@ class CompletionOutput:
 class RequestOutput:
     """One prompt's result, in vLLM's shape. ``num_cached_tokens`` is the prompt tokens served from the
     prefix cache when the request was first admitted (vLLM's field of that name); ``num_preemptions`` the
-    preemptions of all its sequences together (lab addition)."""
+    preemptions of all its sequences together (lab addition). ``prompt_logprobs`` is vLLM's field, always
+    ``None`` here."""
 
     request_id: str
     prompt: str | None
@@ -36,3 +40,4 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    prompt_logprobs: list | None = None

@@ -209,12 +209,12 @@ class OpenAIServing:
             raise ServingError("prompt must be a non-empty string, list of strings or list of token ids",
                                HTTPStatus.BAD_REQUEST, "prompt")
         if isinstance(prompt, str):
-            return [self.tokenize(prompt)]
+            return [self.tokenize(prompt, request.add_special_tokens)]
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         out = []
         for p in prompt:
-            out.append(self.tokenize(p) if isinstance(p, str) else list(p))
+            out.append(self.tokenize(p, request.add_special_tokens) if isinstance(p, str) else list(p))
         return out
 
     def prompt_texts(self, request: P.CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -234,6 +234,9 @@ class OpenAIServing:
                                HTTPStatus.BAD_REQUEST, "messages")
         if not request.messages:
             raise ServingError("messages must not be empty", HTTPStatus.BAD_REQUEST, "messages")
+        if request.untrusted_chat_template():  # vLLM's message
+            raise ServingError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                               "Refused request with untrusted chat template.", HTTPStatus.BAD_REQUEST)
         messages = []
         for m in request.messages:
             content = m.content
@@ -248,7 +251,7 @@ class OpenAIServing:
             if not isinstance(exc, ValueError) and not any(c.__name__ == "TemplateError" for c in type(exc).__mro__):
                 raise
             raise ServingError(str(exc), HTTPStatus.BAD_REQUEST) from None
-        return self.tokenize(text, add_special_tokens=False)
+        return self.tokenize(text, add_special_tokens=request.add_special_tokens)
 
     @staticmethod
     def sampling_params(request: P._SamplingFields, max_tokens: int) -> SamplingParams:
@@ -378,6 +381,14 @@ class CompletionRun:
         return sum(map(len, self.token_ids))
 
 
+def should_include_usage(stream_options: P.StreamOptions | None) -> tuple[bool, bool]:
+    """``(include_usage, continuous)``: a usage chunk at the end, and usage on every chunk (the choice's tokens so
+    far; only with ``include_usage``). Mirrors ``should_include_usage`` (``vllm/entrypoints/serve/utils/
+    api_utils.py``; the lab has no ``--enable-force-include-usage``)."""
+    include = bool(stream_options and stream_options.include_usage)
+    return include, include and bool(stream_options and stream_options.continuous_usage_stats)
+
+
 def _sse(obj: Any, final: bool = False) -> str:
     """One server-sent event. A chunk carries the fields set on it (vLLM sets ``object``, ``logprobs`` and the
     token-id fields on every chunk, ``null`` when not asked for); the ``final`` usage chunk drops its ``null`` ones
@@ -480,7 +491,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         prompt_texts = serving.prompt_texts(request, prompts) if echo and not with_ids else [""] * len(prompts)
         merged = merge_async_iterators(*serving.generators(request, request_id, prompts, params))
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            include_usage, continuous = should_include_usage(request.stream_options)
 
             async def stream() -> AsyncIterator[str]:
                 run = CompletionRun(num_choices * len(prompts))
@@ -489,13 +500,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                     first = not run.token_ids[i] and run.finish[i] is None  # the prompt's ids ride on it
                     run.add(i, d)
                     text = "" if echo_only else d.text
+                    usage = {"usage": serving.usage([prompts[p]], len(run.token_ids[i]), None)} if continuous else {}
                     yield _sse(P.CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=serving.model_name,
                         choices=[P.CompletionResponseStreamChoice(
                             index=i, text=prompt_texts[p] + text if echo and first else text, logprobs=None,
                             finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                             prompt_token_ids=prompts[p] if (with_ids or echo) and first else None,
-                            token_ids=d.token_ids if with_ids else None)]))
+                            token_ids=d.token_ids if with_ids else None)], **usage))
                 if include_usage:
                     yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=serving.model_name,
                                                           choices=[], usage=serving.usage(prompts,
@@ -536,22 +548,24 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         chunk = functools.partial(P.ChatCompletionStreamResponse, id=request_id, object="chat.completion.chunk",
                                   created=created, model=serving.model_name)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            include_usage, continuous = should_include_usage(request.stream_options)
 
             async def stream() -> AsyncIterator[str]:
                 run = CompletionRun(request.n)
                 for i in range(request.n):  # the role first, and the prompt's ids once (vLLM's first chunks)
+                    usage = {"usage": serving.usage([prompt], 0, None)} if continuous else {}
                     yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
                         index=i, delta=P.DeltaMessage(role="assistant", content=""), logprobs=None,
-                        finish_reason=None)], prompt_token_ids=prompt if with_ids else None))
+                        finish_reason=None)], prompt_token_ids=prompt if with_ids else None, **usage))
                 async for _, d in merged:
                     run.add(d.index, d)
                     ids = {"token_ids": d.token_ids if with_ids else None}
                     if d.finish_reason is not None:  # only the last chunk of a choice has its stop_reason
                         ids["stop_reason"] = d.stop_reason
+                    usage = {"usage": serving.usage([prompt], len(run.token_ids[d.index]), None)} if continuous else {}
                     yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
                         index=d.index, delta=P.DeltaMessage(content=d.text), logprobs=None,
-                        finish_reason=d.finish_reason, **ids)]))
+                        finish_reason=d.finish_reason, **ids)], **usage))
                 if include_usage:
                     yield _sse(chunk(choices=[], usage=serving.usage([prompt], run.completion_tokens, run.cached)),
                                final=True)

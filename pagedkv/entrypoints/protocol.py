@@ -34,8 +34,10 @@ UNSERVED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
     "min_p": (None, 0.0), "min_tokens": (None, 0), "logit_bias": (None, {}), "allowed_token_ids": (None,),
     "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
-    "suffix": (None, ""), "top_logprobs": (None, 0), "use_beam_search": (False,),
-    "logprobs": (None, False),
+    "suffix": (None,), "top_logprobs": (None, 0), "use_beam_search": (False,),
+    "logprobs": (None, False), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "tools": (None, []),
+    "truncation_side": (None,), "prompt_embeds": (None,),
 }
 
 
@@ -148,6 +150,7 @@ class CompletionRequest(_SamplingFields):
     ) = None
     max_tokens: int | None = 16
     echo: bool | None = False
+    add_special_tokens: bool = True  # the tokenizer's BOS and the like on a text prompt
 
     @model_validator(mode="before")
     @classmethod
@@ -184,10 +187,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of the chat template's (which has them already)
 
     def unserved(self) -> str | None:
         """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not)."""
         return super().unserved() or ("echo" if (self.model_extra or {}).get("echo") else None)
+
+    def untrusted_chat_template(self) -> bool:
+        """A chat template sent with the request, which vLLM refuses unless ``--trust-request-chat-template``
+        (the lab has no such flag): ``OnlineRenderer.validate_chat_template``."""
+        extra = self.model_extra or {}
+        kwargs = extra.get("chat_template_kwargs")
+        return extra.get("chat_template") is not None or (
+            isinstance(kwargs, dict) and kwargs.get("chat_template") is not None)
 
     @model_validator(mode="before")
     @classmethod
