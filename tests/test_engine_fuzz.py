@@ -46,6 +46,10 @@ VOCAB = TINY_CONFIG["vocab_size"]
 #: a sampled token may differ from the teacher-forced replay only where the replay's two best
 #: ``probs / noise`` are this close (relative): the engine's logits differ from HF's in the last bits
 SAMPLE_NEAR_TIE = 1e-4
+#: (query heads, KV heads, head size) beyond the tiny models' own (4, 2, 16): GQA ratios 1/2/4/8, head sizes that
+#: are not a multiple of 16 (the compiled kernel's scalar loop)
+HEAD_SHAPES = [(8, 1, 8), (4, 4, 24), (2, 1, 40), (8, 2, 8)]
+EXPLICIT_HEAD_DIM = {"qwen3", "qwen3-sliding", "gemma3"}  # the others derive it from hidden_size / heads
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Case:
     engine: dict[str, Any] = field(default_factory=dict)
     kernel: str = "on"  # "on"; "env-off": PAGEDKV_CPU_KERNEL=0; "meta-off": AttentionMetadata.decode_kernel=False
     model_impl: str = "auto"
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields: another head shape
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
@@ -105,9 +110,19 @@ class Case:
             self.engine["max_num_seqs"] = rng.randint(1, 4)
         self.kernel = rng.choice(["on", "on", "env-off", "meta-off"])
         self.model_impl = rng.choice(["lab", "transformers"]) if self.family in LAB_FAMILIES else "transformers"
+        heads = random.Random(self.seed + 10**6)  # its own stream: the draws above stay what they were
+        if heads.random() < 0.4:
+            hq, hkv, d = heads.choice(HEAD_SHAPES)
+            self.overrides = dict(num_attention_heads=hq, num_key_value_heads=hkv)
+            if self.family in EXPLICIT_HEAD_DIM:
+                self.overrides["head_dim"] = d
+                if self.family == "gemma3":
+                    self.overrides["query_pre_attn_scalar"] = d
+            else:
+                self.overrides["hidden_size"] = hq * d
 
     def model(self) -> torch.nn.Module:
-        kwargs = {} if self.window is None else {"sliding_window": self.window}
+        kwargs = dict(self.overrides) if self.window is None else {**self.overrides, "sliding_window": self.window}
         return tiny_model(self.family, seed=self.seed % 5, **kwargs)
 
     def max_new(self, i: int, max_model_len: int) -> int:
@@ -189,7 +204,7 @@ def check_sampled(model: torch.nn.Module, prompt: list[int], params: SamplingPar
 def run_case(case: Case) -> LLM:
     """Run ``case`` and check every request; returns the engine (for the caller's further checks)."""
     label = f"seed {case.seed} ({case.family}, window {case.window}, bs {case.block_size}, {case.model_impl}, " \
-            f"kernel {case.kernel}, {case.engine})"
+            f"kernel {case.kernel}, {case.overrides}, {case.engine})"
     old = os.environ.get(cpu_kernel.ENV_SWITCH)
     os.environ[cpu_kernel.ENV_SWITCH] = "0" if case.kernel == "env-off" else "1"
     cpu_kernel.load.cache_clear()
@@ -254,6 +269,8 @@ def test_the_cases_cover_every_feature():
     assert any(len(p) == 1 for c in cases for p in c.prompts)
     assert any(len(p) > 1 and len(p) % c.block_size == 0 for c in cases for p in c.prompts)
     assert any("max_model_len" in c.engine for c in cases)
+    ratios = {c.overrides.get("num_attention_heads", 4) // c.overrides.get("num_key_value_heads", 2) for c in cases}
+    assert ratios == {1, 2, 4, 8}  # GQA ratios (the tiny models' own: 2)
     assert any(c.window is not None and c.window < max(map(len, c.prompts)) for c in cases)
     assert any(c.window is not None and c.window > max(map(len, c.prompts)) + 10 for c in cases)
 
