@@ -256,6 +256,29 @@ def test_engine_matches_transformers_on_more_random_workloads(seed):
     run_case(Case(seed))
 
 
+@pytest.mark.xfail(strict=True, reason="AsyncScheduler counts one step in flight in the sliding-window admission "
+                   "cap; vLLM 0.26 counts max_concurrent_batches = 2 (fix on branch fuzz-async-cap)")
+def test_async_sliding_window_admission_counts_two_steps_in_flight():
+    """Shrunk from seed 72: Qwen2 with a sliding layer, async scheduling, chunks of 15, one request of 35 + 9
+    tokens. Out-of-window blocks are freed on the processed-token basis, so with two steps in flight the
+    sliding group holds both chunks: 3 blocks, not 2, and with the full group's 3 the request needs 6. A
+    5-block pool admitted it, and the lone request preempted itself forever. vLLM 0.26 counts
+    ``max_concurrent_batches · max_num_batched_tokens`` (``VllmConfig.max_in_flight_tokens``) in
+    ``SlidingWindowSpec.max_admission_blocks_per_request``."""
+    model = tiny_model("qwen2-sliding", seed=2, sliding_window=1)
+    prompt, params = [5] * 35, SamplingParams(max_tokens=9, temperature=0.0)
+    kwargs = dict(block_size=16, max_num_batched_tokens=15, max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(model, num_gpu_blocks=6, **kwargs)
+    assert llm.kv_cache_manager.max_num_blocks_for(44) == 3 + 3  # the full group's 3, the sliding group's 3
+    with pytest.raises(ValueError, match="num_gpu_blocks >= 7"):
+        llm.generate([prompt], params, use_tqdm=False)
+    sync = LLM(model, num_gpu_blocks=6, async_scheduling=False, **kwargs)  # one step in flight: 5 blocks do
+    assert sync.kv_cache_manager.max_num_blocks_for(44) == 3 + 2
+    want, _ = hf_greedy_without_cache(model, prompt, 9)
+    for engine in (LLM(model, num_gpu_blocks=7, **kwargs), sync):
+        assert engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
 def test_the_cases_cover_every_feature():
     """The fast seeds reach what the test is for: every family, both decoders, the kernel on and off, preemption,
     chunked prefill, prefix hits, sampling with n > 1, single-token and block-boundary prompts, max_model_len."""
