@@ -38,6 +38,13 @@ class AsyncScheduler(Scheduler):
     """``Scheduler`` with output placeholders: ``schedule()`` may be called again before the previous step's
     ``update_from_output``. Same constructor as :class:`~pagedkv.scheduler.Scheduler`."""
 
+    #: Two steps in flight (vLLM 0.26's ``VllmConfig.max_concurrent_batches``, ``vllm/config/vllm.py``: 2 with
+    #: async scheduling and no pipeline parallelism), so a sliding-window group's admission cap counts
+    #: ``2 · max_num_batched_tokens`` tokens in flight (``VllmConfig.max_in_flight_tokens``): out-of-window blocks
+    #: are freed on the processed-token basis, so both steps' chunks are held at once. With one step's worth, a
+    #: request could be admitted to a pool that cannot hold its peak and then preempt itself forever.
+    max_concurrent_batches = 2
+
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` (as the plain scheduler does), then give every scheduled request
         whose chunk reaches the end of its tokens one placeholder for the token this step will sample.

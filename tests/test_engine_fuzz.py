@@ -256,8 +256,6 @@ def test_engine_matches_transformers_on_more_random_workloads(seed):
     run_case(Case(seed))
 
 
-@pytest.mark.xfail(strict=True, reason="AsyncScheduler counts one step in flight in the sliding-window admission "
-                   "cap; vLLM 0.26 counts max_concurrent_batches = 2 (fix on branch fuzz-async-cap)")
 def test_async_sliding_window_admission_counts_two_steps_in_flight():
     """Shrunk from seed 72: Qwen2 with a sliding layer, async scheduling, chunks of 15, one request of 35 + 9
     tokens. Out-of-window blocks are freed on the processed-token basis, so with two steps in flight the

@@ -23,12 +23,20 @@ HYBRID = ["qwen3", "qwen3-sliding", "qwen2-sliding", "mistral", "gemma3", "olmo3
 SHAPES = {
     "roomy": dict(num_gpu_blocks=200, block_size=4),
     "chunked": dict(num_gpu_blocks=200, block_size=4, max_num_batched_tokens=12),
-    "tight": dict(block_size=4, max_num_batched_tokens=8),
+    "tight": dict(block_size=4, max_num_batched_tokens=8, async_scheduling=False),
 }
 #: The tight pool of each family (blocks of 4 tokens, block 0 the null block): a few blocks more than one request of
 #: 80 tokens needs, so the six requests preempt one another. A sliding group holds at most its window's worth
-#: (``max_admission_blocks_per_request``): Mistral's 6 blocks hold 20 tokens, for 80-token requests.
-TIGHT_POOL = {"qwen3": 24, "qwen3-sliding": 32, "qwen2-sliding": 32, "mistral": 6, "gemma3": 48, "olmo3": 46}
+#: (``max_admission_blocks_per_request``): Mistral's 6 blocks hold 20 tokens, for 80-token requests. The tight
+#: shape schedules synchronously: with async scheduling two steps' chunks are in flight and the admission cap
+#: counts both (vLLM's ``VllmConfig.max_in_flight_tokens``), so a pool small enough to preempt a sliding family is
+#: refused, and one that admits it never preempts (``test_engine_fuzz``'s async cases cover async preemption).
+TIGHT_POOL = {"qwen3": 24, "qwen3-sliding": 32, "qwen2-sliding": 32, "mistral": 6, "gemma3": 56, "olmo3": 46}
+#: Families whose requests grow after admission (a full-attention group), so a tight pool preempts. Mistral's layers
+#: all slide and every prompt is past the window: a request holds its window's worth from admission on and never
+#: grows, so no pool the gate admits it to ever preempts (vLLM's ``scheduler_reserve_full_isl`` admits on the
+#: whole current sequence); the tight shape shows instead that 80-token requests run in 20 tokens of KV.
+GROWS = {"qwen3", "qwen3-sliding", "qwen2-sliding", "gemma3", "olmo3"}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +93,7 @@ def test_hybrid_families_match_hf_generate(family, shape, long_prompts):
     llm = LLM(model, **SHAPES[shape], **({"num_gpu_blocks": TIGHT_POOL[family]} if shape == "tight" else {}))
     outputs = llm.generate(long_prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(outputs, refs, f"{family} {shape}")
-    if shape == "tight":
+    if shape == "tight" and family in GROWS:
         assert llm.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
     if shape == "chunked":  # some chunk starts inside a prompt, past the window
         assert llm.stats["steps"] > sum(len(p) for p in long_prompts) / 12
