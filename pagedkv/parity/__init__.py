@@ -24,6 +24,10 @@ Drivers (:mod:`pagedkv.parity.workloads`):
 - ``async_scheduler`` (lesson 7): the same workloads through the ``AsyncScheduler``, called in the order vLLM
   0.26's ``EngineCore.step_with_batch_queue`` calls it (schedule N+1, then update N): scheduled tokens, output
   placeholders, preemptions, block tables, and which samples are kept after every call.
+- ``hybrid_async_scheduler`` (lesson 8): the ``AsyncScheduler`` over the hybrid groups, two batches in flight,
+  so a sliding group's admission cap counts ``VllmConfig.max_in_flight_tokens`` (``max_concurrent_batches``,
+  2, times ``max_num_batched_tokens``); a ``Scheduler``-compatible ``impl`` that is not an ``AsyncScheduler``
+  leaves this driver to the library's ``AsyncScheduler``.
 
 ``impl`` may be a ``BlockPool``-, ``KVCacheManager``- or ``Scheduler``-compatible class (yours), run on the
 lab's side in place of the library's.
@@ -61,9 +65,9 @@ def available() -> tuple[bool, str]:
 def check(lesson: int, seeds: int = 20, impl: Any = None) -> ParityReport:
     """Drive vLLM 0.26 and the lab (or ``impl``, your class) through ``seeds`` random workloads of
     ``lesson``'s driver (2: block pool and manager, prefix caching off; 3: with prefix caching; 4: the
-    scheduler; 7: the async scheduler, two batches in flight; 8: manager and scheduler over hybrid KV cache
-    groups) and report: ``print(report)`` says "agrees with vLLM 0.26 on N random workloads" or shows the
-    first diverging step with both sides' block tables; ``report.ok`` is the verdict. When vLLM's sources
+    scheduler; 7: the async scheduler, two batches in flight; 8: manager, scheduler and async scheduler over
+    hybrid KV cache groups) and report: ``print(report)`` says "agrees with vLLM 0.26 on N random workloads"
+    or shows the first diverging step with both sides' block tables; ``report.ok`` is the verdict. When vLLM's sources
     cannot be fetched (offline, unsupported platform) the report says why (``report.skipped``) instead of
     raising. ``ValueError`` for a lesson other than 2, 3, 4, 7, 8 or a seed count below 1. For lesson 8,
     ``impl`` is a ``KVCacheManager``-compatible class built as ``impl(kv_cache_config, max_model_len=...,

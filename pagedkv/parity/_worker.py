@@ -36,7 +36,8 @@ def main(job_path: str, result_path: str) -> int:
             t0 = time.perf_counter()
             traces = {}
             sides = {"manager": vllm_side.VllmManagerSide, "hybrid_manager": vllm_side.VllmHybridManagerSide,
-                     "async_scheduler": vllm_side.VllmAsyncSchedulerSide}
+                     "async_scheduler": vllm_side.VllmAsyncSchedulerSide,
+                     "hybrid_async_scheduler": vllm_side.VllmAsyncSchedulerSide}
             side_cls = sides.get(name, vllm_side.VllmSchedulerSide)
             for seed in spec["seeds"]:
                 cfg, drive = workloads.driver(name, seed, spec["enable_caching"])

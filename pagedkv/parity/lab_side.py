@@ -121,6 +121,16 @@ def group_tables(rid: str, manager: Any) -> dict[str, list[int]]:
     return {f"{rid}.g{g}": ids for g, ids in enumerate(_per_group(manager.get_blocks(rid)) or [])}
 
 
+def scheduled_tables(manager: Any, ids: Sequence[str], hybrid: bool) -> dict[str, list[int]]:
+    """Each scheduled request's block table: ``{"rid": [...]}``, or one per group (``{"rid.g0": [...], ...}``)."""
+    if not hybrid:
+        return {rid: [int(b) for b in manager.get_block_ids(rid)] for rid in ids}
+    tables: dict[str, list[int]] = {}
+    for rid in ids:
+        tables.update(group_tables(rid, manager))
+    return tables
+
+
 class LabHybridManagerSide(ManagerSideBase):
     """The lab's ``KVCacheManager`` over a hybrid config, as the hybrid manager driver calls it."""
 
@@ -202,12 +212,7 @@ class LabSchedulerSide:
             out = s.schedule()
             scheduled = [[rid, int(n)] for rid, n in out.num_scheduled_tokens.items()]
             manager = s.kv_cache_manager
-            if self.hybrid:
-                tables = {}
-                for rid, _ in scheduled:
-                    tables.update(group_tables(rid, manager))
-            else:
-                tables = {rid: [int(b) for b in manager.get_block_ids(rid)] for rid, _ in scheduled}
+            tables = scheduled_tables(manager, [rid for rid, _ in scheduled], self.hybrid)
             before = {rid: len(self.requests[rid].output_token_ids) for rid, _ in scheduled}
             samples = {}
             for rid, _ in scheduled:
@@ -232,11 +237,17 @@ class LabAsyncSchedulerSide:
     """The lab's ``AsyncScheduler`` (or ``impl``, a learner's class with the same constructor) as the async driver
     calls it: ``schedule`` and ``update`` apart, two batches in flight (``workloads.run_async_scheduler``)."""
 
-    def __init__(self, cfg: SchedulerConfig, impl: Any = None) -> None:
+    def __init__(self, cfg: SchedulerConfig | HybridSchedulerConfig, impl: Any = None) -> None:
         from pagedkv.async_scheduler import AsyncScheduler
 
+        self.hybrid = isinstance(cfg, HybridSchedulerConfig)
         factory = impl if impl is not None and is_scheduler_factory(impl) else AsyncScheduler
-        manager = make_manager(cfg, None if factory is not AsyncScheduler else impl)
+        if self.hybrid and isinstance(factory, type) and not issubclass(factory, AsyncScheduler):
+            # lesson 8's Scheduler-compatible impl is a synchronous one: this driver runs the lab's AsyncScheduler
+            factory = AsyncScheduler
+        manager_impl = None if factory is not AsyncScheduler or is_scheduler_factory(impl) else impl
+        # hybrid: built without max_in_flight_tokens, so the scheduler sets max_concurrent_batches · budget
+        manager = make_hybrid_manager(cfg, manager_impl) if self.hybrid else make_manager(cfg, manager_impl)
         self.scheduler = factory(manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
 
@@ -266,7 +277,7 @@ class LabAsyncSchedulerSide:
                 "scheduled": scheduled,
                 "starts": {rid: int(self.requests[rid].num_computed_tokens) - n for rid, n in scheduled},
                 "preempted": preempted,
-                "tables": {rid: [int(b) for b in manager.get_block_ids(rid)] for rid in ids},
+                "tables": scheduled_tables(manager, ids, self.hybrid),
                 "placeholders": self._placeholders(ids + preempted),
                 "finished_req_ids": sorted(out.finished_req_ids),
                 "num_free": int(manager.block_pool.get_num_free_blocks()),

@@ -17,6 +17,9 @@ DRIVER_DESCRIPTIONS = {
     "preemptions, block tables per group and kept outputs after every step",
     "async_scheduler": "async scheduler driven as step_with_batch_queue drives it (two batches in flight): "
     "scheduled tokens, placeholders, preemptions, block tables, kept and discarded samples after every call",
+    "hybrid_async_scheduler": "async scheduler over full + sliding-window groups (and all-sliding), two batches "
+    "in flight: scheduled tokens, placeholders, preemptions, block tables per group and kept samples after every "
+    "call",
 }
 
 

@@ -24,7 +24,7 @@ LESSON_DRIVERS: dict[int, list[tuple[str, bool | None]]] = {
     3: [("manager", True)],
     4: [("scheduler", None)],
     7: [("async_scheduler", None)],
-    8: [("hybrid_manager", None), ("hybrid_scheduler", None)],
+    8: [("hybrid_manager", None), ("hybrid_scheduler", None), ("hybrid_async_scheduler", None)],
 }
 WORKER_TIMEOUT_S = 1200.0
 
@@ -112,7 +112,8 @@ def _lab_trace(name: str, seed: int, enable_caching: bool | None, impl: Any) -> 
 
     cfg, drive = workloads.driver(name, seed, enable_caching)
     side_cls = {"manager": LabManagerSide, "hybrid_manager": LabHybridManagerSide,
-                "async_scheduler": LabAsyncSchedulerSide}.get(name, LabSchedulerSide)
+                "async_scheduler": LabAsyncSchedulerSide,
+                "hybrid_async_scheduler": LabAsyncSchedulerSide}.get(name, LabSchedulerSide)
     try:
         side = side_cls(cfg, impl)
     except Exception as exc:  # noqa: BLE001 - a learner's constructor failing is a divergence at entry 0

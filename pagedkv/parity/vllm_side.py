@@ -223,9 +223,9 @@ def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig, async_schedulin
         ec_transfer_config=None,
         speculative_config=None,
         num_speculative_tokens=0,
-        # What VllmConfig.max_in_flight_tokens is (max_concurrent_batches · max_num_batched_tokens); the
-        # lessons 2-4 drivers keep None (no sliding group reads it).
-        max_in_flight_tokens=cfg.max_num_batched_tokens if hybrid else None,
+        # What VllmConfig.max_in_flight_tokens is (max_concurrent_batches · max_num_batched_tokens, 2 with async
+        # scheduling: VllmConfig.max_concurrent_batches); the non-hybrid drivers keep None (no sliding group reads it).
+        max_in_flight_tokens=(2 if async_scheduling else 1) * cfg.max_num_batched_tokens if hybrid else None,
         # async: what 0.26 runs for dense models (Model Runner V2, two batches in flight)
         use_v2_model_runner=async_scheduling,
         max_concurrent_batches=2 if async_scheduling else 1,
@@ -297,7 +297,7 @@ class VllmSchedulerSide:
 class VllmAsyncSchedulerSide:
     """vLLM 0.26's ``AsyncScheduler``, called as ``EngineCore.step_with_batch_queue`` calls it."""
 
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig | HybridSchedulerConfig) -> None:
         self.cfg = cfg
         self.scheduler = make_scheduler(cfg, async_scheduling=True)
         self.requests: dict[str, Request] = {}
@@ -313,6 +313,16 @@ class VllmAsyncSchedulerSide:
     def _placeholders(self, rids: Any) -> dict[str, int]:
         return {rid: int(self.requests[rid].num_output_placeholders) for rid in rids}
 
+    def _tables(self, ids: list[str]) -> dict[str, list[int]]:
+        """Each request's block table: ``{"rid": [...]}``, or one per group (``{"rid.g0": [...], ...}``)."""
+        manager = self.scheduler.kv_cache_manager
+        if not isinstance(self.cfg, HybridSchedulerConfig):
+            return {rid: [int(b) for b in manager.get_block_ids(rid)[0]] for rid in ids}
+        tables: dict[str, list[int]] = {}
+        for rid in ids:
+            tables.update(group_tables(rid, manager.get_block_ids(rid)))
+        return tables
+
     def schedule(self) -> tuple[Any, dict[str, Any]]:
         s = self.scheduler
         try:
@@ -326,7 +336,7 @@ class VllmAsyncSchedulerSide:
                 "scheduled": scheduled,
                 "starts": {rid: int(self.requests[rid].num_computed_tokens) - n for rid, n in scheduled},
                 "preempted": preempted,
-                "tables": {rid: [int(b) for b in s.kv_cache_manager.get_block_ids(rid)[0]] for rid in ids},
+                "tables": self._tables(ids),
                 "placeholders": self._placeholders(ids + preempted),
                 "finished_req_ids": sorted(out.finished_req_ids),
                 "num_free": int(s.kv_cache_manager.block_pool.get_num_free_blocks()),

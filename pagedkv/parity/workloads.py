@@ -22,14 +22,17 @@ Side interfaces:
   ``reset()``; block ids per group (``tables`` keyed ``"rid.gG"``), hit lengths and free counts;
 - hybrid scheduler side (driver ``"hybrid_scheduler"``): as the scheduler side, over a hybrid config;
 - async scheduler side (driver ``"async_scheduler"``, :func:`run_async_scheduler`): ``schedule()`` and
-  ``update()`` called apart, in ``step_with_batch_queue``'s order, two batches in flight.
+  ``update()`` called apart, in ``step_with_batch_queue``'s order, two batches in flight;
+- hybrid async scheduler side (driver ``"hybrid_async_scheduler"``, :func:`run_hybrid_async_scheduler`): as the
+  async scheduler side, over a hybrid config (tables per group), where a sliding group's admission cap counts
+  both batches in flight (``VllmConfig.max_in_flight_tokens``).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 VOCAB = 64
@@ -207,7 +210,13 @@ def stop_token(rng: random.Random, prompt: list[int], max_tokens: int) -> int | 
     return tokens[-1]
 
 
-def run_async_scheduler(side: Any, seed: int, cfg: SchedulerConfig, max_calls: int = 800) -> list[dict[str, Any]]:
+def run_async_scheduler(
+    side: Any,
+    seed: int,
+    cfg: SchedulerConfig | HybridSchedulerConfig,
+    max_calls: int = 800,
+    requests: list[tuple[int, str, list[int], int]] | None = None,
+) -> list[dict[str, Any]]:
     """Drive an async scheduler side as ``EngineCore.step_with_batch_queue`` drives vLLM 0.26's ``AsyncScheduler``
     (two batches in flight): each call schedules a batch when there are requests, and returns at once while the
     queue holds fewer than two and something was scheduled or is left; otherwise it takes the oldest batch's
@@ -215,8 +224,10 @@ def run_async_scheduler(side: Any, seed: int, cfg: SchedulerConfig, max_calls: i
     :func:`run_scheduler`, about half of them with an EOS token they reach (:func:`stop_token`). Side interface:
     ``add(rid, prompt, max_tokens, eos_token_id)``, ``has_requests() -> bool``,
     ``schedule() -> (handle, obs)`` (``obs["num_tokens"]``: tokens scheduled), ``update(handle, sample) -> obs``
-    (``sample(all_token_ids)`` for every request the batch samples)."""
-    requests = scheduler_requests(seed, cfg)
+    (``sample(all_token_ids)`` for every request the batch samples). ``requests`` defaults to
+    ``scheduler_requests(seed, cfg)``."""
+    if requests is None:
+        requests = scheduler_requests(seed, cfg)  # type: ignore[arg-type]
     rng = random.Random(f"async-eos-{seed}")
     trace: list[dict[str, Any]] = []
     last_arrival = max(a for a, *_ in requests)
@@ -319,8 +330,9 @@ def hybrid_manager_config(seed: int) -> HybridManagerConfig:
     )
 
 
-def hybrid_scheduler_config(seed: int) -> HybridSchedulerConfig:
-    rng = random.Random(f"hybrid-scheduler-config-{seed}")
+def hybrid_scheduler_config(seed: int, name: str = "hybrid-scheduler") -> HybridSchedulerConfig:
+    """The hybrid scheduler driver's config for ``seed``; ``name`` keys the draw (another driver, other configs)."""
+    rng = random.Random(f"{name}-config-{seed}")
     block_size = rng.choice([2, 4, 8])
     max_num_seqs = rng.randint(1, 6)
     return HybridSchedulerConfig(
@@ -347,8 +359,9 @@ def hybrid_blocks_needed(cfg: HybridSchedulerConfig, num_tokens: int) -> int:
     return total
 
 
-def _hybrid_roots(rng: random.Random, block_size: int) -> list[list[int]]:
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(block_size, 6 * block_size))] for _ in range(3)]
+def _hybrid_roots(rng: random.Random, block_size: int, root_blocks: int = 6) -> list[list[int]]:
+    """Three shared prefixes of one to ``root_blocks`` blocks."""
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(block_size, root_blocks * block_size))] for _ in range(3)]
 
 
 def run_hybrid_manager(side: Any, seed: int, cfg: HybridManagerConfig, num_ops: int = 80) -> list[dict[str, Any]]:
@@ -392,21 +405,33 @@ def run_hybrid_manager(side: Any, seed: int, cfg: HybridManagerConfig, num_ops: 
     return trace
 
 
-def hybrid_scheduler_requests(seed: int, cfg: HybridSchedulerConfig) -> list[tuple[int, str, list[int], int]]:
-    """``(arrival_step, request_id, prompt, max_tokens)``: prompts that share prefixes and outgrow the window;
-    each fits alone (``hybrid_blocks_needed``), some only because their sliding groups release blocks."""
+def hybrid_scheduler_requests(
+    seed: int,
+    cfg: HybridSchedulerConfig,
+    max_concurrent_batches: int = 1,
+    num_requests: tuple[int, int] = (4, 12),
+    last_arrival: int = 6,
+    most_tokens: int = 24,
+    root_blocks: int = 6,
+) -> list[tuple[int, str, list[int], int]]:
+    """``(arrival_step, request_id, prompt, max_tokens)``: ``num_requests`` (a range) prompts that share prefixes
+    of up to ``root_blocks`` blocks and outgrow the window, arriving by step ``last_arrival``, up to
+    ``most_tokens`` each; each fits alone (``hybrid_blocks_needed``, with ``max_concurrent_batches`` steps'
+    tokens in flight, as vLLM's ``VllmConfig.max_in_flight_tokens`` counts them), some only because their
+    sliding groups release blocks."""
     rng = random.Random(f"hybrid-scheduler-requests-{seed}")
-    roots = _hybrid_roots(rng, cfg.block_size)
+    sizing = replace(cfg, max_num_batched_tokens=max_concurrent_batches * cfg.max_num_batched_tokens)
+    roots = _hybrid_roots(rng, cfg.block_size, root_blocks)
     usable = cfg.num_blocks - 1
     out = []
-    for i in range(rng.randint(4, 12)):
+    for i in range(rng.randint(*num_requests)):
         prompt = _prompt(rng, roots)
-        max_tokens = rng.randint(1, 24)
-        while hybrid_blocks_needed(cfg, len(prompt) + max_tokens) > usable and max_tokens > 1:
+        max_tokens = rng.randint(1, most_tokens)
+        while hybrid_blocks_needed(sizing, len(prompt) + max_tokens) > usable and max_tokens > 1:
             max_tokens -= 1
-        while hybrid_blocks_needed(cfg, len(prompt) + max_tokens) > usable and len(prompt) > 1:
+        while hybrid_blocks_needed(sizing, len(prompt) + max_tokens) > usable and len(prompt) > 1:
             prompt.pop()
-        out.append((rng.randint(0, 6), f"s{i}", prompt, max_tokens))
+        out.append((rng.randint(0, last_arrival), f"s{i}", prompt, max_tokens))
     return sorted(out, key=lambda x: x[0])
 
 
@@ -414,6 +439,23 @@ def run_hybrid_scheduler(side: Any, seed: int, cfg: HybridSchedulerConfig) -> li
     """``run_scheduler`` over a hybrid config's requests."""
     return run_scheduler(side, seed, cfg, requests=hybrid_scheduler_requests(seed, cfg))
 
+
+def hybrid_async_scheduler_config(seed: int) -> HybridSchedulerConfig:
+    """Configs drawn as the hybrid scheduler driver's (tight pools of 10-40 blocks), from their own seed."""
+    return hybrid_scheduler_config(seed, "hybrid-async-scheduler")
+
+
+def run_hybrid_async_scheduler(side: Any, seed: int, cfg: HybridSchedulerConfig) -> list[dict[str, Any]]:
+    """``run_async_scheduler`` over a hybrid config: requests sized so each fits alone with two steps' tokens in
+    flight (vLLM 0.26's ``VllmConfig.max_concurrent_batches`` is 2 with async scheduling), which is what the
+    sliding groups' admission cap (``SlidingWindowSpec.max_admission_blocks_per_request``) counts. More, longer
+    requests, arriving sooner, than the sync driver's: prompts past window + budget against a full pool are
+    where the cap decides admission (with one step counted, 22 of 200 seeds diverge; with the sync driver's
+    mix, 5)."""
+    requests = hybrid_scheduler_requests(
+        seed, cfg, max_concurrent_batches=2, num_requests=(8, 16), last_arrival=3, most_tokens=32, root_blocks=12
+    )
+    return run_async_scheduler(side, seed, cfg, requests=requests)
 
 
 def driver(name: str, seed: int, enable_caching: bool | None) -> tuple[Any, Any]:
@@ -429,4 +471,6 @@ def driver(name: str, seed: int, enable_caching: bool | None) -> tuple[Any, Any]
         return hybrid_scheduler_config(seed), run_hybrid_scheduler
     if name == "async_scheduler":
         return scheduler_config(seed), run_async_scheduler
+    if name == "hybrid_async_scheduler":
+        return hybrid_async_scheduler_config(seed), run_hybrid_async_scheduler
     raise ValueError(f"unknown parity driver {name!r}")
