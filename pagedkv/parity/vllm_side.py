@@ -211,6 +211,7 @@ def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig, async_schedulin
         enable_return_routed_experts=False,
     )
     hybrid = isinstance(cfg, HybridSchedulerConfig)
+    batches = 2 if async_scheduling else 1  # VllmConfig.max_concurrent_batches (one pipeline stage)
     vllm_config = SimpleNamespace(
         scheduler_config=sched,
         cache_config=cache,
@@ -223,12 +224,12 @@ def make_scheduler(cfg: SchedulerConfig | HybridSchedulerConfig, async_schedulin
         ec_transfer_config=None,
         speculative_config=None,
         num_speculative_tokens=0,
-        # What VllmConfig.max_in_flight_tokens is (max_concurrent_batches · max_num_batched_tokens, 2 with async
-        # scheduling: VllmConfig.max_concurrent_batches); the non-hybrid drivers keep None (no sliding group reads it).
-        max_in_flight_tokens=(2 if async_scheduling else 1) * cfg.max_num_batched_tokens if hybrid else None,
+        # What VllmConfig.max_in_flight_tokens is (max_concurrent_batches · max_num_batched_tokens); the non-hybrid
+        # drivers keep None (no sliding group reads it).
+        max_in_flight_tokens=batches * cfg.max_num_batched_tokens if hybrid else None,
         # async: what 0.26 runs for dense models (Model Runner V2, two batches in flight)
         use_v2_model_runner=async_scheduling,
-        max_concurrent_batches=2 if async_scheduling else 1,
+        max_concurrent_batches=batches,
     )
     kv_config = (
         hybrid_kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.groups)  # type: ignore[union-attr]
