@@ -155,6 +155,20 @@ def count_flops(cfg: BenchConfig, prompt_lens: list[int], lm_head_rows: int) -> 
             "matmul": float(layers + lm_head), "total": float(layers + attention + lm_head)}
 
 
+def best_seconds(fn: Any, device: str, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (after one untimed warm-up), each waited for on ``device``:
+    what both roofs time their probes with."""
+    fn()  # warm-up
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def measure_roof(model: torch.nn.Module, cfg: BenchConfig, steps: list[tuple[int, int]],
                  repeats: int = 3) -> dict[str, Any]:
     """The matrix-multiply roof at the run's step sizes: ``steps`` are the engine's ``(tokens, sampled rows)``
@@ -173,17 +187,6 @@ def measure_roof(model: torch.nn.Module, cfg: BenchConfig, steps: list[tuple[int
     dev, dtype = head.device, head.dtype
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
-    def best(fn) -> float:
-        fn()  # warm-up
-        _sync(cfg.device)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            _sync(cfg.device)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     def layers_at(t: int):
         xs = {n: torch.randn(t, n, generator=gen).to(dev, dtype) for n in {w.shape[1] for w in weights}}
         return lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
@@ -192,8 +195,8 @@ def measure_roof(model: torch.nn.Module, cfg: BenchConfig, steps: list[tuple[int
         x = torch.randn(r, head.shape[1], generator=gen).to(dev, dtype)
         return lambda: F.linear(x, head)
 
-    layer_s = {t: best(layers_at(t)) for t in sorted({t for t, _ in steps if t})}
-    head_s = {r: best(head_at(r)) for r in sorted({r for _, r in steps if r})}
+    layer_s = {t: best_seconds(layers_at(t), cfg.device, repeats) for t in sorted({t for t, _ in steps if t})}
+    head_s = {r: best_seconds(head_at(r), cfg.device, repeats) for r in sorted({r for _, r in steps if r})}
     seconds = sum(layer_s.get(t, 0.0) + head_s.get(r, 0.0) for t, r in steps)
     per_token = 2 * sum(w.shape[0] * w.shape[1] for w in weights)
     flops = sum(per_token * t + 2 * head.shape[0] * head.shape[1] * r for t, r in steps)
@@ -221,16 +224,8 @@ def measure_read_bandwidth(cfg: BenchConfig, n_bytes: int = 64 << 20, repeats: i
     K and V of every layer together (about 37 MB in the default bench), so it is read as the step reads them,
     from beyond the core's own caches. The second roof: attention cannot take less than its bytes over this."""
     x = torch.ones(n_bytes // 4, dtype=torch.float32, device=cfg.device)
-    x.sum()  # warm-up
-    _sync(cfg.device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        _sync(cfg.device)
-        times.append(time.perf_counter() - t0)
-    return {"gbps": n_bytes / min(times) / 1e9, "probe_bytes": n_bytes, "method": "torch.sum, best of "
-            f"{repeats}"}
+    seconds = best_seconds(x.sum, cfg.device, repeats)
+    return {"gbps": n_bytes / seconds / 1e9, "probe_bytes": n_bytes, "method": f"torch.sum, best of {repeats}"}
 
 
 def build_model(cfg: BenchConfig) -> torch.nn.Module:
