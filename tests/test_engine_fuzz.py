@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_engine import assert_matches_hf, one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from test_engine import assert_matches_hf, hf_greedy, one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from test_engine_cpu_kernel import needs_kernel
 
 from pagedkv.attention import ref_paged_prefill_attention
 from pagedkv.block_table import make_block_table_tensor
@@ -152,11 +153,7 @@ def hf_refs(model: torch.nn.Module, case: Case, max_model_len: int):
         if params.temperature == 0.0 and case.window == 1:
             refs[i] = hf_greedy_without_cache(model, p, case.max_new(i, max_model_len))
         elif params.temperature == 0.0:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=case.max_new(i, max_model_len), output_logits=True,
-                                 return_dict_in_generate=True)
-            refs[i] = (out.sequences[0, len(p):].tolist(), [lg[0] for lg in out.logits])
+            refs[i] = hf_greedy(model, [p], max_new=case.max_new(i, max_model_len))[0]
     return refs
 
 
@@ -299,9 +296,6 @@ def test_the_cases_cover_every_feature():
 # ---------------------------------------------------------------------------------------------------------
 # The compiled kernel on the edge shapes
 # ---------------------------------------------------------------------------------------------------------
-needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the kernel is not built")
-
-
 @needs_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
