@@ -1,6 +1,7 @@
 """The ``pagedkv`` command: grade exercises, build them from their sources, run benchmarks.
 
     pagedkv grade [PATH...] [--json FILE] [--timeout S]   grade notebooks (default: exercises/)
+    pagedkv grade PATH --only NAME[,NAME...]             grade some of a notebook's exercises
     pagedkv grade --class FOLDER --csv FILE              grade a class's notebooks, one CSV
     pagedkv build-exercises [--check] [--force] [NAME...] grading/source/ -> exercises/, solutions/, zips
     pagedkv bench [NAME...]                               run the lab's benchmarks (see BENCHMARKS)
@@ -39,7 +40,7 @@ def _repo_root() -> Path:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from pagedkv.grading.grade import format_table, grade_paths, report_json
+    from pagedkv.grading.grade import UnknownExercise, format_table, grade_paths, report_json
     from pagedkv.grading.limits import Limits
     from pagedkv.grading.output import write_replacing
     from pagedkv.grading.sandbox import bwrap_problem
@@ -77,6 +78,13 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print(f"pagedkv grade: --csv {args.csv}: the folder {Path(args.csv).parent} does not exist",
                   file=sys.stderr)
             return 2
+    only = None
+    if args.only is not None:
+        only = [n.strip() for value in args.only for n in value.split(",") if n.strip()]
+        if not only:
+            print("pagedkv grade: --only needs exercise names (e.g. --only blocks_needed,waste_percent)",
+                  file=sys.stderr)
+            return 2
     problem = bwrap_problem()
     if problem is not None and args.class_folder:
         print(f"pagedkv grade --class: refusing to grade a class without a sandbox: {problem}", file=sys.stderr)
@@ -97,8 +105,13 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print(f"graded {result.notebook}: {result.score:g}/{result.possible:g} ({result.status}, "
                   f"{result.seconds:.0f} s)", file=sys.stderr, flush=True)
 
-    results, problems = grade_paths(paths, autograder_dir=autograder_dir, limits=limits,
-                                    require_sandbox=bool(args.class_folder), jobs=args.jobs, on_result=progress)
+    try:
+        results, problems = grade_paths(paths, autograder_dir=autograder_dir, limits=limits,
+                                        require_sandbox=bool(args.class_folder), jobs=args.jobs,
+                                        on_result=progress, only=only)
+    except UnknownExercise as exc:  # before any notebook was graded
+        print(f"pagedkv grade: --only: {exc}", file=sys.stderr)
+        return 2
     for p in problems:
         print(f"skipped: {p}", file=sys.stderr)
     if results:
@@ -117,7 +130,7 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             print("pagedkv grade: several notebooks of the same set were graded, and the total above adds them up "
                   "as one learner's; to grade a class, one row per learner: ./lab grade --class FOLDER --csv FILE",
                   file=sys.stderr)
-        if not args.no_progress:
+        if not args.no_progress and only is None:  # a grade of some exercises is not the set's score
             from pagedkv.grading.progress import record_progress
 
             try:
@@ -197,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory of the sandbox that runs a notebook's code "
                    f"(default {DEFAULT_LIMITS.memory / (1 << 30):g} GB)")
     g.add_argument("--jobs", "-j", type=int, default=None, help="notebooks graded at once (default: CPUs, max 4)")
+    g.add_argument("--only", action="append", metavar="NAME[,NAME...]",
+                   help="grade only these exercises (the names the table and the JSON report show), each still "
+                   "alone in a sandbox of its own that runs the whole notebook, and skip the others' checks; the "
+                   "others are left out of the table, the JSON and the totals (which count the named exercises' "
+                   "points only), and nothing is recorded in .pagedkv/progress.json. A name that a graded set "
+                   "does not have is refused before anything is graded")
     g.add_argument("--autograder-dir", metavar="DIR", help="where the NN_name.zip files are "
                    "(default: grading/autograder/ of this repository)")
     g.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")

@@ -1154,6 +1154,54 @@ def test_grade_refuses_bad_options_before_grading(tmp_path, args, message):
     assert "graded " not in proc.stderr  # refused before any notebook was graded
 
 
+@pytest.mark.parametrize("only", ["blocks_needed,nope", "", "Blocks_Needed"])
+def test_grade_only_refuses_an_unknown_exercise_before_grading(tmp_path, only):
+    """``--only`` with a name the set does not have: exit 2 naming the set's exercises, nothing graded, no report."""
+    report = tmp_path / "r.json"
+    proc = subprocess.run(_pagedkv("grade", str(ROOT / "exercises" / f"{FRAG}.ipynb"), "--only", only, "--json",
+                                   str(report)), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "graded " not in proc.stderr and not report.exists()
+    if only:
+        assert f"set {FRAG} has no exercise '{only.split(',')[-1]}'" in proc.stderr, proc.stderr
+        assert "its exercises: blocks_needed, contiguous_capacity, paged_admission, waste_percent" in proc.stderr
+    else:
+        assert "--only needs exercise names" in proc.stderr
+
+
+def test_worker_grades_only_the_named_exercises(monkeypatch):
+    """The worker leaves the other exercises' checks out: their sandboxes (each a whole run of the notebook) never
+    start. A name the set does not have is an error, not a grade."""
+    asked = []
+    monkeypatch.setattr(worker.Grader, "grade_question", lambda self, q: asked.append(q.name) or
+                        {"name": q.name, "score": 0.0, "possible": 1.0, "cases": []})
+    zip_path = ROOT / "grading" / "autograder" / f"{FRAG}.zip"
+    nb = ROOT / "exercises" / f"{FRAG}.ipynb"
+    out = worker.grade(nb, zip_path, worker.DEFAULT_LIMITS, only=["waste_percent", "blocks_needed"])
+    assert out["ok"] and asked == ["blocks_needed", "waste_percent"], (out, asked)  # in notebook order
+    wrong = worker.grade(nb, zip_path, worker.DEFAULT_LIMITS, only=["blocks_needed", "nope"])
+    assert not wrong["ok"] and "no exercise nope" in wrong["error"] and asked == ["blocks_needed", "waste_percent"]
+
+
+@pytest.mark.slow
+def test_grade_only_scores_the_named_exercises_as_a_full_grade_does(graded, tmp_path):
+    """``--only``: the named exercises alone in the report, scored exactly as the whole notebook's grade scored
+    them (a partial one, a passed one), the totals theirs only."""
+    nb = make_variant(tmp_path / "mixed", *VARIANTS["mixed"])
+    proc = subprocess.run(_pagedkv("grade", str(nb), "--only", "paged_admission", "--only", "blocks_needed",
+                                   "--json", str(tmp_path / "r.json"), "--no-progress"),
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    [only] = json.loads((tmp_path / "r.json").read_text())["notebooks"]
+    full = {ex["name"]: ex for ex in _variant(graded, "mixed")["exercises"]}
+    assert [ex["name"] for ex in only["exercises"]] == ["blocks_needed", "paged_admission"]  # notebook order
+    assert only["exercises"] == [full["blocks_needed"], full["paged_admission"]]
+    assert only["exercises"][1]["status"] == "partial"
+    assert (only["score"], only["possible"]) == (sum(ex["score"] for ex in only["exercises"]),
+                                                 sum(ex["possible"] for ex in only["exercises"]))
+    assert "contiguous_capacity" not in proc.stdout and "waste_percent" not in proc.stdout
+
+
 def test_class_rows_list_missing_sets_and_learners():
     def result(path, set_name, scores):
         exercises = [grade.ExerciseResult(n, s, 2.0, "passed" if s == 2 else "failed", "" if s == 2 else "why")

@@ -382,8 +382,8 @@ def _first_failure(exercise: dict) -> str:
 
 
 def _scores_0_told_why(tmp_path: Path, name: str, routes: dict[str, str], told: set[str] | None = None) -> None:
-    """Every exercise of the graded variant scores 0, and those in ``told`` (default: all) fail first with the
-    stub's message."""
+    """Every exercise graded (those of the planted answers) scores 0, and those in ``told`` (default: all) fail
+    first with the stub's message."""
     graded = _graded(tmp_path, name, routes)
     assert {q: e["score"] for q, e in graded.items()} == dict.fromkeys(graded, 0.0), graded
     for q in graded if told is None else told:

@@ -41,6 +41,7 @@ from pagedkv.grading.output import escape_controls
 __all__ = [
     "CaseResult",
     "ExerciseResult",
+    "UnknownExercise",
     "NotebookResult",
     "find_autograder",
     "find_notebooks",
@@ -48,6 +49,7 @@ __all__ = [
     "grade_notebook",
     "grade_paths",
     "report_json",
+    "unknown_exercises",
 ]
 
 
@@ -166,6 +168,21 @@ def _expected_questions(zip_path: Path) -> list[tuple[str, float]]:
             out.append((name.group(1) if name else Path(entry).stem, total))
     rank = {q: i for i, q in enumerate(order)}
     return sorted(out, key=lambda item: (rank.get(item[0], len(rank)), item[0]))
+
+
+class UnknownExercise(ValueError):
+    """``--only`` named an exercise that a set being graded does not have (raised before any grading)."""
+
+
+def unknown_exercises(zip_path: Path, only: Iterable[str]) -> str:
+    """Why ``only`` does not fit the set of ``zip_path``: the names it does not have, and those it has ("" when
+    every name is one of its exercises)."""
+    known = [name for name, _ in _expected_questions(zip_path)]
+    unknown = [n for n in dict.fromkeys(only) if n not in known]
+    if not unknown:
+        return ""
+    return (f"set {zip_path.stem} has no exercise {', '.join(repr(n) for n in unknown)}; its exercises: "
+            f"{', '.join(known)}")
 
 
 # ------------------------------------------------------------------------------------------ grading
@@ -289,13 +306,22 @@ def grade_notebook(
     *,
     shown_as: str | None = None,
     require_sandbox: bool = False,
+    only: Iterable[str] | None = None,
 ) -> NotebookResult:
     """Grade one notebook against one autograder zip, on a copy, within ``limits.timeout`` seconds
-    (``require_sandbox``: fail it rather than grade it without bubblewrap)."""
+    (``require_sandbox``: fail it rather than grade it without bubblewrap). ``only``: grade those exercises
+    alone (:class:`UnknownExercise` for a name the set does not have); the others are left out of the result,
+    its ``possible`` too, and their checks never run."""
     timeout = limits.timeout
     start = time.monotonic()
     label = shown_as or str(notebook)
     expected = _expected_questions(autograder)
+    if only is not None:
+        only = list(dict.fromkeys(only))
+        problem = unknown_exercises(autograder, only)
+        if problem:
+            raise UnknownExercise(problem)
+        expected = [(name, pts) for name, pts in expected if name in only]
     possible = sum(p for _, p in expected)
 
     def failed(status: str, message: str) -> NotebookResult:
@@ -316,6 +342,7 @@ def grade_notebook(
             sys.executable, "-m", "pagedkv.grading.worker",
             "--autograder", str(autograder.resolve()), "--notebook", str(copy), "--out", str(out),
             "--limits", limits.to_json(), *(["--require-sandbox"] if require_sandbox else []),
+            *(["--only", json.dumps(only)] if only is not None else []),
         ]
         # the same string hashes in the worker and its sandboxes (builtin_hash answers must match)
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg", PYTHONHASHSEED="0")
@@ -364,9 +391,12 @@ def grade_paths(
     require_sandbox: bool = False,
     jobs: int | None = None,
     on_result: Callable[[NotebookResult], None] | None = None,
+    only: Iterable[str] | None = None,
 ) -> tuple[list[NotebookResult], list[str]]:
     """Grade every notebook found under ``paths`` (``jobs`` at a time); return the results, in the order
-    found, and the problems (paths skipped, notebooks without an autograder)."""
+    found, and the problems (paths skipped, notebooks without an autograder). ``only``: the exercises to grade
+    (:func:`grade_notebook`); a name that one of the sets found does not have raises :class:`UnknownExercise`
+    before any notebook is graded."""
     notebooks, problems = find_notebooks(paths)
     work: list[tuple[Path, Path]] = []
     for nb in notebooks:
@@ -375,13 +405,19 @@ def grade_paths(
             problems.append(f"{nb}: no autograder zip for it in {autograder_dir} (expected {nb.stem}.zip)")
         else:
             work.append((nb, zip_path))
+    if only is not None:
+        only = list(dict.fromkeys(only))
+        refused = [p for p in dict.fromkeys(unknown_exercises(z, only) for _, z in work) if p]
+        if refused:
+            raise UnknownExercise("; ".join(refused))
     if jobs is None:
         jobs = max(1, min(len(work), os.cpu_count() or 1, 4))
 
     def one(item: tuple[Path, Path]) -> NotebookResult:
         nb, zip_path = item
         try:
-            result = grade_notebook(nb, zip_path, limits, shown_as=str(nb), require_sandbox=require_sandbox)
+            result = grade_notebook(nb, zip_path, limits, shown_as=str(nb), require_sandbox=require_sandbox,
+                                    only=only)
         except Exception as exc:  # noqa: BLE001 - never let one notebook stop the others
             result = NotebookResult(str(nb), str(zip_path), "error", 0.0, 0.0, 0.0,
                                     f"grading failed: {type(exc).__name__}: {exc}")

@@ -5,7 +5,8 @@ notebook's time is up. The worker:
 
 1. reads the notebook (refusing files that are not notebooks) and the set's autograder zip (the tests, hidden
    ones included, and ``questions.json``: the exercises in order, each one's reference symbols);
-2. for **each exercise on its own**, starts a sandbox (:mod:`pagedkv.grading.sandbox`: a copy of the library
+2. for **each exercise on its own** (with ``--only``, each of those named: the others' sandboxes are never
+   started), starts a sandbox (:mod:`pagedkv.grading.sandbox`: a copy of the library
    without that exercise's reference, another user, limits, the repository hidden) and has it run the
    notebook's code cells in order (otter's and the checks' cells left out), each under the per-cell time
    limit: a cell still running is interrupted (and, if it will not stop, its process killed and the
@@ -410,7 +411,10 @@ def _cpu_clock() -> float:
     return time.process_time() + (sandbox.cpu_seconds() if running else 0.0)
 
 
-def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: bool = False) -> dict:
+def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: bool = False,
+          only: list[str] | None = None) -> dict:
+    """The notebook's grade; ``only``: the exercises to grade (``pagedkv grade --only``), the others' sandboxes
+    never started, each named one still graded alone, in a sandbox of its own that runs the whole notebook."""
     from pagedkv.grading import checks
 
     checks.cpu_clock = _cpu_clock  # a check's `timeout=2` counts CPU seconds: no verdict depends on the load
@@ -421,6 +425,12 @@ def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: 
     except OSError as exc:
         return {"ok": False, "error": f"cannot read the notebook: {exc.strerror}"}
     questions = load_tests(autograder)
+    if only is not None:
+        unknown = sorted(set(only) - {q.name for q in questions})
+        if unknown:  # pagedkv grade checks first; a worker started by hand says it too
+            return {"ok": False, "error": f"no exercise {', '.join(unknown)} in this set (its exercises: "
+                                          f"{', '.join(q.name for q in questions)})"}
+        questions = [q for q in questions if q.name in set(only)]
     grader = Grader(cells, limits, notebook=notebook, require_sandbox=require_sandbox)
     results = [grader.grade_question(q) for q in questions]
     return {"ok": True, "questions": results, "cells": [grader.reports[k] for k in sorted(grader.reports)]}
@@ -443,12 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--limits", type=Limits.from_json, default=DEFAULT_LIMITS, help="a Limits as JSON")
     parser.add_argument("--require-sandbox", action="store_true", help="refuse to grade without bubblewrap")
+    parser.add_argument("--only", type=json.loads, default=None, help="the exercises to grade, a JSON list")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_term)
     start = time.monotonic()
     try:
         payload = grade(Path(args.notebook), Path(args.autograder), args.limits,
-                        require_sandbox=args.require_sandbox)
+                        require_sandbox=args.require_sandbox, only=args.only)
     except BaseException as exc:  # noqa: BLE001 - report, never a traceback to the user
         payload = {"ok": False, "error": f"grading failed: {type(exc).__name__}: {str(exc)[:300]}"}
     payload["seconds"] = time.monotonic() - start
