@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pagedkv.kernels  # noqa: F401 - sets TRITON_INTERPRET=1 without a GPU, before any kernel is defined
@@ -72,7 +71,7 @@ def test_a_wrong_exercise_1_costs_exercise_2_nothing() -> None:
 def test_a_wrong_exercise_1_costs_exercise_2_nothing_under_pagedkv_grade(tmp_path) -> None:
     """The same under ``pagedkv grade``, where the learner's kernel is a handle to the sandbox (it cannot be
     re-jitted here): exercise 1's answer goes into the sandbox's namespace for the launch. Exercise 2 alone is
-    graded (a copy of the autograder zip with only its tests): one sandbox."""
+    graded (``--only``): one sandbox."""
     root = SOURCE.parents[2]
     nb = json.loads((root / "solutions" / SOURCE.name).read_text())
     cells = [c for c in nb["cells"] if c["cell_type"] == "code" and "def kv_block_offsets(" in "".join(c["source"])]
@@ -80,14 +79,8 @@ def test_a_wrong_exercise_1_costs_exercise_2_nothing_under_pagedkv_grade(tmp_pat
     cells[0]["source"] = "".join(cells[0]["source"]).replace(*LE)  # ex. 2's check fails with this one in the loop
     (tmp_path / "nb").mkdir()
     (tmp_path / "nb" / SOURCE.name).write_text(json.dumps(nb))
-    (tmp_path / "zips").mkdir()
-    with zipfile.ZipFile(root / "grading" / "autograder" / f"{SOURCE.stem}.zip") as src, \
-            zipfile.ZipFile(tmp_path / "zips" / f"{SOURCE.stem}.zip", "w") as dst:
-        for name in src.namelist():
-            if not name.startswith("tests/") or name == "tests/paged_decode_v1_kernel.py":
-                dst.writestr(name, src.read(name))
-    proc = subprocess.run([sys.executable, "-m", "pagedkv.cli", "grade", str(tmp_path / "nb"), "--autograder-dir",
-                           str(tmp_path / "zips"), "--json", str(tmp_path / "out.json"), "--no-progress", "-q"],
+    proc = subprocess.run([sys.executable, "-m", "pagedkv.cli", "grade", str(tmp_path / "nb"), "--only",
+                           "paged_decode_v1_kernel", "--json", str(tmp_path / "out.json"), "--no-progress", "-q"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [notebook] = json.loads((tmp_path / "out.json").read_text())["notebooks"]
