@@ -282,6 +282,8 @@ def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
 
 ENGINE = """
 import os, signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises, even where the tests were started by a
+# shell in the background, which ignores SIGINT for its children (Python then never installs its handler)
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.grading.lessons.l07_serving_engine import tiny_llama
 """
@@ -366,6 +368,52 @@ def test_ctrl_c_and_a_dead_worker(tmp_path):
     assert "CTRL-C OK" in proc.stdout and "RAISED worker rank 1" in proc.stdout and "DONE" in proc.stdout, \
         proc.stdout + proc.stderr
     assert _wait_gone(_pids(proc.stdout)) == []
+
+
+def test_ctrl_c_while_a_reply_is_read_leaves_the_pipe_at_a_message_boundary(tmp_path):
+    """A Ctrl-C that lands while the engine reads a worker's reply (the reply's first bytes have arrived, the
+    rest is on its way) is raised only once the whole reply is read: the next request's reply is read intact.
+    Otherwise the rest of the interrupted reply would be read as the next message's length (the hang of
+    ``test_ctrl_c_and_a_dead_worker`` when an interrupt fell there)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp, os, pickle, signal, struct, threading, time
+        from pagedkv.engine.multiproc_executor import MultiprocExecutor
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in ENGINE
+
+        class Proc:  # a worker that never ends: its sentinel never becomes ready
+            def __init__(self):
+                self.sentinel, self._w = os.pipe()
+                self.pid, self.exitcode = 0, None
+
+        reader, writer = mp.Pipe(duplex=False)
+        exe = object.__new__(MultiprocExecutor)  # one rank whose replies this script writes itself
+        exe.world_size, exe.conns, exe.procs, exe.dead = 1, [reader], [Proc()], None
+        exe._awaited, exe._stash = {5, 6}, {}
+        first = pickle.dumps((5, "ok", "x" * 200_000))
+        data = struct.pack("!i", len(first)) + first  # multiprocessing.connection's framing: length, then bytes
+
+        def send():
+            view = memoryview(data)
+            for part in (view[:1000], view[1000:]):
+                while part:
+                    part = part[os.write(writer.fileno(), part):]
+                time.sleep(1.0)  # the interrupt arrives while the reply's first 1000 bytes are read
+            writer.send_bytes(pickle.dumps((6, "ok", "the next reply")))
+
+        threading.Thread(target=send, daemon=True).start()
+        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        try:
+            exe._gather(5)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+        signal.alarm(10)  # a desynchronised pipe would block this read (or fail to unpickle it)
+        print("NEXT", exe._gather(6), flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and "INTERRUPTED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "NEXT ['the next reply']" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ Workers never outlive the engine, whatever happens to it:
 - workers ignore ``SIGINT``: a Ctrl-C in a terminal or Jupyter's interrupt (which signals the kernel's whole
   process group) interrupts the engine only. The engine discards the interrupted step's late replies by
   sequence number, and defers a ``SIGINT`` that arrives while it is broadcasting (a step sent to only some
-  ranks would leave the others waiting in a collective).
+  ranks would leave the others waiting in a collective) or reading a reply (half a message read would leave
+  the pipe out of step).
 
 Mirrors vLLM 0.26's ``MultiprocExecutor`` (``vllm/v1/executor/multiproc_executor.py``: ``_init_executor``,
 ``collective_rpc``, ``execute_model``, ``shutdown``, ``WorkerProc.worker_main``, ``monitor_death_pipe``,
@@ -274,7 +275,10 @@ class MultiprocExecutor:
     def _gather(self, seq: int) -> list[Any]:
         """Every rank's reply to request ``seq``, in rank order. A reply to another request still awaited (a step
         in flight) is kept for it; one to an abandoned request (interrupted by Ctrl-C) is dropped. An error reply
-        or a dead worker stops all workers and raises :class:`WorkerError`."""
+        or a dead worker stops all workers and raises :class:`WorkerError`. Waiting is interruptible; reading a
+        reply is not: a ``SIGINT`` that arrives while a reply is read and filed is raised once it is filed (the
+        pipe would otherwise be left in the middle of a message, and the next read would take the rest of it
+        for a new one)."""
         results: dict[int, Any] = self._stash.pop(seq, {})
         pending = set(range(self.world_size)) - set(results)
         try:
@@ -288,20 +292,29 @@ class MultiprocExecutor:
                             continue  # read its last reply first
                         self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died "
                                    f"(exit code {self.procs[rank].exitcode})")
-                    try:
-                        got_seq, status, payload = self.conns[rank].recv()
-                    except (EOFError, OSError):
-                        self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) closed its pipe")
-                    if status != "ok":
-                        self._fail(f"worker rank {rank} raised:\n{payload}")
-                    if got_seq == seq:
-                        results[rank] = payload
-                        pending.discard(rank)
-                    elif got_seq in self._awaited:
-                        self._stash.setdefault(got_seq, {})[rank] = payload
+                    with _sigint_deferred():
+                        failure = self._file_reply(rank, seq, results, pending)
+                    if failure is not None:
+                        self._fail(failure)
         finally:
             self._awaited.discard(seq)
         return [results[r] for r in range(self.world_size)]
+
+    def _file_reply(self, rank: int, seq: int, results: dict[int, Any], pending: set[int]) -> str | None:
+        """Read one reply of ``rank`` and file it: into ``results`` (a reply to ``seq``), the stash (to another
+        request still awaited) or nowhere (an abandoned one). Returns why the workers must stop, or ``None``."""
+        try:
+            got_seq, status, payload = self.conns[rank].recv()
+        except (EOFError, OSError):
+            return f"worker rank {rank} (pid {self.procs[rank].pid}) closed its pipe"
+        if status != "ok":
+            return f"worker rank {rank} raised:\n{payload}"
+        if got_seq == seq:
+            results[rank] = payload
+            pending.discard(rank)
+        elif got_seq in self._awaited:
+            self._stash.setdefault(got_seq, {})[rank] = payload
+        return None
 
     def _broadcast(self, method: str, args: tuple = (), per_rank_args: Sequence[tuple] | None = None) -> int:
         """Send ``Worker.<method>`` to every rank (``per_rank_args[rank]`` to each, when given); returns the
@@ -321,6 +334,9 @@ class MultiprocExecutor:
             with _sigint_deferred():
                 for conn, payload in zip(self.conns, payloads, strict=True):
                     conn.send_bytes(payload)
+        except KeyboardInterrupt:  # every rank has the request; no one will gather it, so its replies are dropped
+            self._awaited.discard(seq)
+            raise
         except (OSError, ValueError) as exc:
             self._fail(f"could not send {method!r} to the workers ({exc})")
         return seq
