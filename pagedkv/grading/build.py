@@ -45,8 +45,10 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
+if TYPE_CHECKING:  # nbformat is imported where it is used: with jsonschema it takes seconds to import, and
+    import nbformat  # `pagedkv grade` needs only this module's paths
 
 __all__ = [
     "CHECK_ALL_SOURCE",
@@ -140,6 +142,8 @@ def find_sources(root: Path, names: list[str] | None = None) -> list[Path]:
 
 def _normalise_notebook(nb: nbformat.NotebookNode) -> bytes:
     """No outputs, no execution counts, cell ids from the cells' content; nbformat's own JSON layout."""
+    import nbformat
+
     seen: dict[str, int] = {}
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -244,6 +248,8 @@ def describe_questions(source_nb: nbformat.NotebookNode, student_nb: nbformat.No
 def _finish_notebook(nb: nbformat.NotebookNode, set_name: str, description: dict) -> nbformat.NotebookNode:
     """otter's notebook made ours: the init cell finds the checks by the set's name, the set's description is
     in the metadata (for the checks when the zip is not at hand), and a check-all section ends it."""
+    import nbformat
+
     locked = {"deletable": False, "editable": False}
     for cell in nb.cells:
         if cell.cell_type == "code" and cell.source.lstrip().startswith(_OTTER_INIT):
@@ -284,6 +290,7 @@ def check_source(source: Path) -> None:
     """The rules otter does not enforce but the grader relies on (see grading/README.md): the first cell is
     the raw ``# ASSIGNMENT CONFIG`` cell, its ``name`` is the file's stem (the grader matches notebooks to
     zips by name and otter refuses a submission whose stored name differs), tests are exception-based."""
+    import nbformat
     import yaml  # otter's dependency
 
     nb = nbformat.read(source, as_version=4)
@@ -304,6 +311,7 @@ def check_source(source: Path) -> None:
 
 def build_set(source: Path) -> BuiltSet:
     """Run ``otter assign`` on one source notebook and return its three outputs (nothing is written)."""
+    import nbformat
     from otter.assign import main as otter_assign  # heavy import (pandas, ...): only when building
 
     source = source.resolve()
