@@ -104,7 +104,9 @@ LOOPS = (
 RAISES = "def contiguous_capacity(pool_blocks, max_len, block_size):\n    return pool_blocks // 0\n"
 SYNTAX_ERROR = "def contiguous_capacity(pool_blocks, max_len, block_size):\n    blocks = -(-max_len // block_size\n" \
     "    return pool_blocks // blocks\n"
-LOOPING_CELL = "while True:\n    pass\n" + GOOD["waste_percent"]  # the answer cell loops before its def
+# the answer cell loops before its def; it sleeps in the loop (the free cell beside it loops on the CPU, and a
+# second 20 s of spinning would only take a core from the rest of the suite)
+LOOPING_CELL = "while True:\n    __import__('time').sleep(1)\n" + GOOD["waste_percent"]
 GARBAGE = (
     "class Weird:\n"
     "    def __repr__(self):\n"
