@@ -373,8 +373,8 @@ def test_ctrl_c_and_a_dead_worker(tmp_path):
 def test_ctrl_c_while_a_reply_is_read_leaves_the_pipe_at_a_message_boundary(tmp_path):
     """A Ctrl-C that lands while the engine reads a worker's reply (the reply's first bytes have arrived, the
     rest is on its way) is raised only once the whole reply is read: the next request's reply is read intact.
-    Otherwise the rest of the interrupted reply would be read as the next message's length (the hang of
-    ``test_ctrl_c_and_a_dead_worker`` when an interrupt fell there)."""
+    Otherwise the rest of the interrupted reply would be read as the next message's length, and the read would
+    block (``test_ctrl_c_and_a_dead_worker`` hangs so when one of its interrupts falls there)."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
         import multiprocessing as mp, os, pickle, signal, struct, threading, time
@@ -394,16 +394,19 @@ def test_ctrl_c_while_a_reply_is_read_leaves_the_pipe_at_a_message_boundary(tmp_
         first = pickle.dumps((5, "ok", "x" * 200_000))
         data = struct.pack("!i", len(first)) + first  # multiprocessing.connection's framing: length, then bytes
 
-        def send():
-            view = memoryview(data)
-            for part in (view[:1000], view[1000:]):
-                while part:
-                    part = part[os.write(writer.fileno(), part):]
-                time.sleep(1.0)  # the interrupt arrives while the reply's first 1000 bytes are read
+        def write(part):
+            while part:
+                part = part[os.write(writer.fileno(), part):]
+
+        def send():  # the reply's first 1000 bytes, Ctrl-C while the engine waits for the rest, the rest, the next
+            write(memoryview(data)[:1000])
+            time.sleep(0.3)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.2)
+            write(memoryview(data)[1000:])
             writer.send_bytes(pickle.dumps((6, "ok", "the next reply")))
 
         threading.Thread(target=send, daemon=True).start()
-        threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
         try:
             exe._gather(5)
         except KeyboardInterrupt:
