@@ -143,6 +143,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
         "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
         "JUPYTER_DATA_DIR": str(base / "data"),  # the notary database (trusted notebooks) lives here
         "IPYTHONDIR": str(base / "ipython"),
+        # the lessons' kernels run their smaller workloads, as in tests/test_notebooks.py: what is checked here is
+        # the widget, and lesson 2's benchmark would otherwise keep a core busy beside the browser
+        "PAGEDKV_SMALL_WORKLOADS": "1",
     }
     cmd = [
         sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
