@@ -5,8 +5,9 @@ Notebooks are found by glob, so a new lesson is tested as soon as it lands. Each
 (``CELL_TIMEOUT``); nothing is written back to the notebooks. In ``solutions/`` the check cells run the
 tests too (``grader.check``), so a failing check shows up here as well as in ``test_grading.py``.
 
-The kernels run with ``PAGEDKV_SMALL_WORKLOADS=1``: a lesson whose simulations take most of its run time (lesson 4)
-reads it and simulates smaller workloads, on which each of its asserts (the claims its text makes) still holds.
+The kernels run with ``PAGEDKV_SMALL_WORKLOADS=1``: a lesson whose simulations, sweeps or benchmarks take most of
+its run time (lessons 2, 3, 4, 6, 7 and 9) reads it and runs smaller workloads, on which each of its asserts (the
+claims its text makes) still holds.
 The committed outputs are the full size's (``./lab`` never sets it), so what a reader sees is what a learner's
 run prints.
 """
