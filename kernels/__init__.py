@@ -24,46 +24,66 @@ importing this package on a machine where ``torch.cuda.is_available()`` is False
 from __future__ import annotations
 
 import os
+import sys
 
-import torch
+if __name__ == "kernels":
+    # Python was started in the repository root (``python -m ...`` or an xdist worker puts it on sys.path), so
+    # this folder was found as a top-level ``kernels``. That name is Hugging Face's package, which transformers
+    # imports; load it in this module's place and define nothing here (this folder is ``pagedkv.kernels`` only).
+    import importlib.machinery
+    import importlib.util
 
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    )
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError(
+            "No module named 'kernels' (the repository's kernels/ folder is pagedkv.kernels)", name="kernels"
+        )
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds once this file ends
+    _spec.loader.exec_module(_module)
+else:
+    import torch
 
-from ._common import interpreter_on as _interpreter_on  # noqa: E402
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"
 
-if _interpreter_on():
-    from ._interpreter import install as _install_interpreter_shortcut  # noqa: E402
+    from ._common import interpreter_on as _interpreter_on
 
-    _install_interpreter_shortcut()  # device-function calls skip a repeated patch (kernels/_interpreter.py)
+    if _interpreter_on():
+        from ._interpreter import install as _install_interpreter_shortcut
 
-from .cache import reshape_and_cache  # noqa: E402
-from .decode import (  # noqa: E402
-    DECODE_VERSIONS,
-    choose_num_splits,
-    decode_config,
-    paged_attention_decode,
-    paged_attention_decode_v1,
-    paged_attention_decode_v2,
-    paged_attention_decode_v3,
-    paged_attention_decode_v4,
-)
-from .dispatch import DecodeConfig, choose_decode_config  # noqa: E402
-from .prefill import paged_prefill_attention  # noqa: E402
-from .slot_mapping import compute_slot_mappings  # noqa: E402
+        _install_interpreter_shortcut()  # device-function calls skip a repeated patch (kernels/_interpreter.py)
 
-__all__ = [
-    "DECODE_VERSIONS",
-    "DecodeConfig",
-    "choose_decode_config",
-    "choose_num_splits",
-    "compute_slot_mappings",
-    "decode_config",
-    "paged_attention_decode",
-    "paged_attention_decode_v1",
-    "paged_attention_decode_v2",
-    "paged_attention_decode_v3",
-    "paged_attention_decode_v4",
-    "paged_prefill_attention",
-    "reshape_and_cache",
-]
+    from .cache import reshape_and_cache
+    from .decode import (
+        DECODE_VERSIONS,
+        choose_num_splits,
+        decode_config,
+        paged_attention_decode,
+        paged_attention_decode_v1,
+        paged_attention_decode_v2,
+        paged_attention_decode_v3,
+        paged_attention_decode_v4,
+    )
+    from .dispatch import DecodeConfig, choose_decode_config
+    from .prefill import paged_prefill_attention
+    from .slot_mapping import compute_slot_mappings
+
+    __all__ = [
+        "DECODE_VERSIONS",
+        "DecodeConfig",
+        "choose_decode_config",
+        "choose_num_splits",
+        "compute_slot_mappings",
+        "decode_config",
+        "paged_attention_decode",
+        "paged_attention_decode_v1",
+        "paged_attention_decode_v2",
+        "paged_attention_decode_v3",
+        "paged_attention_decode_v4",
+        "paged_prefill_attention",
+        "reshape_and_cache",
+    ]

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import sys
 
 import pytest
 from hypothesis import settings
-
-# `python -m pytest` from the repository root puts the root on sys.path, and transformers probes for Hugging
-# Face's `kernels` package by importing it: it would find the lab's kernels/ folder (which is pagedkv.kernels,
-# never a top-level module). The lab is installed, so the root is not needed on the path.
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _ROOT]
 
 # nbformat imports jsonschema, which builds a grammar for IRI strings with lark when `rfc3987_syntax` is
 # installed (JupyterLab's jupyter-events brings it): about 2.5 CPU-seconds in every test process, each xdist

@@ -4,6 +4,8 @@ importable only as pagedkv.kernels."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
 import pathlib
 import re
 import subprocess
@@ -29,6 +31,40 @@ def test_kernels_is_pagedkv_kernels():
     import pagedkv.kernels
 
     assert pathlib.Path(pagedkv.kernels.__file__).resolve().parent == ROOT / "kernels"
+
+
+def test_the_repo_root_on_sys_path_does_not_shadow_hugging_faces_kernels():
+    """transformers imports Hugging Face's ``kernels`` (a dependency since transformers 5); from the repository
+    root (``python -m``, an xdist worker) the lab's kernels/ folder was found first and every model failed to
+    load with "cannot import name 'CUDAProperties' from 'kernels'". The folder now loads that package instead."""
+    code = (
+        "import sys\n"
+        "import kernels\n"
+        "assert 'site-packages' in kernels.__file__, kernels.__file__\n"
+        "import transformers.integrations.hub_kernels, transformers\n"
+        "transformers.LlamaForCausalLM\n"
+        "import pagedkv.kernels as pk\n"
+        "assert pk.__file__.endswith('/kernels/__init__.py') and 'site-packages' not in pk.__file__\n"
+        "assert pk.paged_attention_decode and sys.modules['kernels'] is kernels\n"
+    )
+    if importlib.util.find_spec("kernels") is None or not importlib.metadata.packages_distributions().get("kernels"):
+        pytest.skip("Hugging Face's kernels package is not installed")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_without_hugging_faces_kernels_the_folder_is_not_a_top_level_module():
+    """No site-packages (``-S``): ``import kernels`` from the root raises ModuleNotFoundError, as it would
+    anywhere else, so a ``try: import kernels`` probe answers "not installed"."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+        "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n"
+        "    assert e.name == 'kernels' and 'pagedkv.kernels' in str(e), e\n"
+        "    assert 'kernels' not in sys.modules\n"
+        "else:\n    raise SystemExit(f'imported {kernels.__file__}')\n"
+    )
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_no_top_level_kernels_import_in_the_repo():

@@ -7,7 +7,6 @@ import functools
 import math
 import os
 import pathlib
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -175,7 +174,7 @@ def test_kv_page_bytes_gqa_head_dim_and_dtypes():
 
 
 def test_kv_page_bytes_reads_transformers_configs():
-    transformers = import_transformers()
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
     assert kv_page_bytes(cfg, 16, "fp16") == 2 * 16 * 2 * 16 * 2
     assert kv_page_bytes({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, 16, "fp16") == (
@@ -257,24 +256,9 @@ def test_max_concurrency_is_blocks_over_blocks_per_request():
 # --- profile() on a CPU: analytic ----------------------------------------------------------------------------
 
 
-def import_transformers():
-    """transformers probes for Hugging Face's ``kernels`` package by importing it; run from the repository
-    root (``python -m pytest``), that would import the lab's ``kernels/`` folder as a top-level package.
-    Hide the root while transformers' layers first load (the probe's answer is cached afterwards)."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != root]
-    try:
-        transformers = pytest.importorskip("transformers")
-        transformers.LlamaForCausalLM  # noqa: B018 - loads the modelling modules (and the probe) now
-        return transformers
-    finally:
-        sys.path[:] = saved
-
-
 @pytest.fixture(scope="module")
 def tiny_llama():
-    transformers = import_transformers()
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=512,
         hidden_size=64,

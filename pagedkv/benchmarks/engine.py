@@ -62,7 +62,6 @@ import json
 import os
 import platform
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -394,24 +393,6 @@ SETUPS = {"pagedkv": make_pagedkv,
                                                                           model_impl="transformers")}
 
 
-@contextlib.contextmanager
-def hide_repo_kernels() -> Iterator[None]:
-    """Take this repository's root off ``sys.path`` for the duration: transformers probes for Hugging Face's
-    ``kernels`` package by importing ``kernels``, and from the root (``python -m`` puts it on the path) it
-    would find the lab's ``kernels/`` folder instead (always imported as ``pagedkv.kernels``)."""
-    def is_root(p: str) -> bool:
-        base = os.path.abspath(p or os.getcwd())
-        return os.path.isfile(os.path.join(base, "kernels", "__init__.py")) and os.path.isdir(
-            os.path.join(base, "pagedkv"))
-
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if not is_root(p)]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
-
-
 def run(cfg: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run every implementation in ``cfg.impls`` once (after a small warm-up of each) and return
     ``{"rows": [...], "config": {...}}``."""
@@ -686,8 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.vocab < 2:
             parser.error("--vocab must be at least 2")
         cfg.vocab_size = args.vocab
-    with hide_repo_kernels():
-        result = run(cfg)
+    result = run(cfg)
     print(format_table(result))
     json_path, plot_path = args.json, args.plot
     if args.out or (default_run and not json_path and not args.impls):  # kept, outside the tracked files
