@@ -33,9 +33,9 @@ if __name__ == "kernels":
     import importlib.machinery
     import importlib.util
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # real paths: a symlinked checkout too
     _spec = importlib.machinery.PathFinder.find_spec(
-        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+        "kernels", [p for p in sys.path if os.path.realpath(p or os.curdir) != _root]
     )
     if _spec is None or _spec.loader is None:
         raise ModuleNotFoundError(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import importlib.util
 import pathlib
 import re
 import subprocess
@@ -34,7 +33,7 @@ def test_kernels_is_pagedkv_kernels():
 
 
 def test_the_repo_root_on_sys_path_does_not_shadow_hugging_faces_kernels():
-    """transformers imports Hugging Face's ``kernels`` (a dependency since transformers 5); from the repository
+    """transformers imports Hugging Face's ``kernels`` (a dependency of transformers 5.25); from the repository
     root (``python -m``, an xdist worker) the lab's kernels/ folder was found first and every model failed to
     load with "cannot import name 'CUDAProperties' from 'kernels'". The folder now loads that package instead."""
     code = (
@@ -47,7 +46,7 @@ def test_the_repo_root_on_sys_path_does_not_shadow_hugging_faces_kernels():
         "assert pk.__file__.endswith('/kernels/__init__.py') and 'site-packages' not in pk.__file__\n"
         "assert pk.paged_attention_decode and sys.modules['kernels'] is kernels\n"
     )
-    if importlib.util.find_spec("kernels") is None or not importlib.metadata.packages_distributions().get("kernels"):
+    if not importlib.metadata.packages_distributions().get("kernels"):
         pytest.skip("Hugging Face's kernels package is not installed")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
