@@ -126,3 +126,131 @@ def test_a_call_that_rewrites_the_metadata_cannot_reach_the_reference() -> None:
 
     with pytest.raises(AssertionError, match="differs from the reference"):
         l07.check_attention_random_steps(corrupting)
+
+
+# ------------------------------------------------------------------------------------------------- end to end
+def _wreck(meta, *tensors):
+    """What a careless call could do to everything it was given, once it has its answer."""
+    meta.slot_mapping.fill_(-1)
+    meta.seq_lens.zero_()
+    meta.query_start_loc.zero_()
+    meta.block_tables.zero_()
+    for t in tensors:
+        t.zero_()
+
+
+def test_end_to_end_runs_the_engine_here_with_one_scenario_per_call(monkeypatch) -> None:
+    """The end-to-end checks run the engine in the check's process (under ``pagedkv grade`` nothing the learner's
+    process returns could stand in for its tokens): each call it makes of the learner's function is one scenario
+    (``drive_prepare_call``, ``drive_attention_call``) sent plain data, and the engine goes on with copies of the
+    plain data that came back, so a call that wrecks the inputs it was given changes nothing in the engine."""
+    from pagedkv.engine.attention import paged_attention_forward
+    from pagedkv.engine.model_runner import prepare_inputs
+    from pagedkv.grading import checks
+    from pagedkv.grading.lessons import l07_serving_engine as l07
+    from pagedkv.grading.plain import decode, encode
+
+    scenarios = []
+
+    def recording(scenario, *args, **kwargs):
+        encode(list(args[1:]))  # plain data only, besides the learner's function
+        record = checks.drive(scenario, *args, **kwargs)
+        assert isinstance(decode(encode(record)), (dict, list))  # plain data back
+        scenarios.append(scenario.__name__)
+        return record
+
+    monkeypatch.setattr(l07, "drive", recording)
+
+    def attention(module, query, key, value, attention_mask, scaling=None, pagedkv_metadata=None, **kwargs):
+        out = paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      pagedkv_metadata=pagedkv_metadata)
+        _wreck(pagedkv_metadata, query, key, value)
+        return out
+
+    l07.check_attention_end_to_end(attention)
+    assert scenarios[0] == "drive_attention" and set(scenarios[1:]) == {"drive_attention_call"}, scenarios
+    assert len(scenarios) > 20, len(scenarios)  # two layers a step, a dozen steps and more
+
+    def prepare(scheduler_output, token_ids, block_size):
+        got = prepare_inputs(scheduler_output, token_ids, block_size)
+        scheduler_output.num_scheduled_tokens.clear()
+        scheduler_output.block_tables.clear()
+        token_ids.clear()
+        return got
+
+    scenarios.clear()
+    l07.check_prepare_inputs_end_to_end(prepare)
+    assert scenarios[0] == "drive_prepare_inputs" and set(scenarios[1:]) == {"drive_prepare_call"}, scenarios
+    assert len(scenarios) > 10, len(scenarios)
+
+
+def test_a_call_that_fails_only_inside_the_engine_says_so() -> None:
+    """A function right on the check's first step but not on what the engine gives it: its raise (with its line) or
+    its unusable result is the end-to-end failure, as the engine met it."""
+    from pagedkv.engine.attention import paged_attention_forward
+    from pagedkv.engine.model_runner import prepare_inputs
+    from pagedkv.grading.lessons import l07_serving_engine as l07
+
+    def raises(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if query.shape[1] == 4:  # the engine's model: Hq 4 (the first step's: 2)
+            raise ValueError("only in the engine")
+        return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    with pytest.raises(AssertionError, match=r"^generate\(.*\) raised ValueError: only in the engine "
+                                             r"\(in raises, line \d+: raise ValueError"):
+        l07.check_attention_end_to_end(raises)
+
+    def untransposed(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if query.shape[1] == 4:
+            return query, None
+        return paged_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    with pytest.raises(AssertionError, match=r"failed: the output of paged_attention should be a tensor of shape "
+                                             r"\(1, \d+, 4, 16\) = \[1, T, Hq, D\], got \(1, 4, \d+, 16\)"):
+        l07.check_attention_end_to_end(untransposed)
+
+    def none_once_cached(scheduler_output, token_ids, block_size):
+        if any(scheduler_output.num_computed_tokens.values()):  # the lesson's step has nothing cached yet
+            return None
+        return prepare_inputs(scheduler_output, token_ids, block_size)
+
+    with pytest.raises(AssertionError, match=r"failed: prepare_inputs returned None: is it still the stub"):
+        l07.check_prepare_inputs_end_to_end(none_once_cached)
+
+    def wild_once_cached(scheduler_output, token_ids, block_size):
+        got = prepare_inputs(scheduler_output, token_ids, block_size)
+        if any(scheduler_output.num_computed_tokens.values()):
+            got.query_start_loc[-1] += 1000  # rows past the batch: what the engine's kernels must never read
+        return got
+
+    with pytest.raises(AssertionError, match=r"failed: prepare_inputs returned inputs the engine cannot run for the "
+                                             r"step .*: query_start_loc\[\d+\] is \d+, outside 0 \.\. \d+"):
+        l07.check_prepare_inputs_end_to_end(wild_once_cached)
+
+
+def test_only_inputs_the_engine_can_run_reach_it() -> None:
+    """The engine runs the learner's ``ModelInputs`` in the grader's process, and its compiled kernels index its pool
+    with them: every number must be one the step allows (the library's answer always is)."""
+    from pagedkv.engine.model_runner import prepare_inputs
+    from pagedkv.grading.lessons import l07_serving_engine as l07
+
+    for seed in range(5):
+        for so, token_ids, bs in l07.random_steps(seed):
+            assert l07.unrunnable_inputs(prepare_inputs(so, token_ids, bs), so, token_ids, bs) is None
+    so, token_ids, bs = l07.example_step()
+    for field, change, phrase in [
+        ("req_ids", lambda v: v + v[:1], "each scheduled request once"),
+        ("sample_req_ids", lambda v: ["Z"], "some of req_ids"),
+        ("seq_lens", lambda v: v[:-1], "seq_lens has"),
+        ("block_tables", lambda v: [[t[0] + 1000] + t[1:] for t in v], "block_tables[0][0] is"),
+        ("block_tables", lambda v: [t[:1] for t in v], "its table covers its seq_len"),
+        ("slot_mapping", lambda v: [-2] + v[1:], "slot_mapping[0] is -2"),
+        ("slot_mapping", lambda v: [0] + v[1:], "names a block that the step's tables do not hold"),  # block 0
+        ("input_ids", lambda v: [10**6] + v[1:], "input_ids[0] is 1000000"),
+        ("query_start_loc", lambda v: [0, v[2], v[1]] + v[3:], "increasing"),
+        ("logits_indices", lambda v: [True] + v[1:], "logits_indices[0] is True"),
+    ]:
+        inputs = prepare_inputs(so, token_ids, bs)
+        setattr(inputs, field, change(getattr(inputs, field)))
+        why = l07.unrunnable_inputs(inputs, so, token_ids, bs)
+        assert why is not None and phrase in why, (field, phrase, why)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import json
 import shutil
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -36,7 +38,11 @@ def _resolve(dotted: str) -> object:
         except ImportError:
             continue
         for attr in parts[cut:]:
-            obj = getattr(obj, attr)
+            if inspect.isfunction(obj):  # a function nested in a function (a factory's inner ``run``): its def
+                obj = next(n for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(obj))))
+                           if isinstance(n, ast.FunctionDef) and n.name == attr)
+            else:
+                obj = getattr(obj, attr)
         return obj
     raise ImportError(dotted)
 

@@ -301,3 +301,43 @@ def test_pool_alloc_free_scores_the_right_half(wid: str, old: str, new: str, at_
     results = _grade({"pool_alloc_free": src.replace(old, new)}, only={"pool_alloc_free"})
     passed = sum(ok for _, _, ok, _ in results)
     assert at_least <= passed < len(results), (wid, results)
+
+
+def test_the_pool_the_queue_checks_build_is_a_block_pool() -> None:
+    """The free queue's in-pool check builds its pool without ``BlockPool.__init__``, which makes the library's
+    queue (hidden while the learner's queue is graded): the same attributes, and with the library's queue in it
+    the same answers."""
+    from pagedkv import BlockPool
+    from pagedkv.grading.lessons.l02_block_pool import bare_pool
+    from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue
+
+    pool, bare = BlockPool(9), bare_pool(9)
+    bare.free_block_queue = FreeKVCacheBlockQueue(bare.blocks[1:])
+    assert sorted(vars(bare)) == sorted(vars(pool))
+    for p in (pool, bare):
+        got = p.get_new_blocks(3)
+        p.free_blocks(got[1:])
+        p.touch([p.blocks[3]])
+    assert [[b.block_id for b in p.free_block_queue] for p in (pool, bare)] == [[2, 4, 5, 6, 7, 8]] * 2
+    assert [[b.ref_cnt for b in p.blocks] for p in (pool, bare)] == [[0, 1, 0, 1, 0, 0, 0, 0, 0]] * 2
+
+
+def test_the_solution_is_graded_in_a_few_scenarios_given_seeds_not_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each check drives the learner's code in one scenario, or two (the first random case alone, then the
+    rest): a drive is one round trip to the grader's sandbox, however many calls it makes. And what a scenario
+    is given, the learner's code can read (it runs in the learner's process): the random ones choose their calls
+    from a seed and from the state they see, never from a script made with a model of the right answers (whose
+    later calls would tell which blocks an allocation must give, or whether it must fail)."""
+    import pagedkv.grading.lessons.l02_block_pool as lesson
+
+    given: list[tuple[str, tuple]] = []
+    real = lesson.drive
+    monkeypatch.setattr(lesson, "drive", lambda scenario, *a, **k: given.append((scenario.__name__, a)) or
+                        real(scenario, *a, **k))
+    results = _grade({})
+    assert all(ok for _, _, ok, _ in results)
+    assert len(given) <= 25, [name for name, _ in given]
+    for name, args in given:
+        if name.endswith("_random") or name == "drive_queue_in_pool":
+            assert all(set(case) <= {"case", "seed", "blocks", "sizes", "block_sizes", "ops", "steps"}
+                       and not isinstance(case.get("ops"), list) for case in args[-1]), (name, args[-1][:1])

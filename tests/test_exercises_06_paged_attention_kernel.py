@@ -69,9 +69,9 @@ def test_a_wrong_exercise_1_costs_exercise_2_nothing() -> None:
 
 
 def test_a_wrong_exercise_1_costs_exercise_2_nothing_under_pagedkv_grade(tmp_path) -> None:
-    """The same under ``pagedkv grade``, where the learner's kernel is a handle to the sandbox (it cannot be
-    re-jitted here): exercise 1's answer goes into the sandbox's namespace for the launch. Exercise 2 alone is
-    graded (``--only``): one sandbox."""
+    """The same under ``pagedkv grade``, where the learner's kernel lives in the sandbox: the check's scenario
+    (``drive_decode_v1``) launches it there, as a copy whose ``kv_block_offsets`` is exercise 1's answer.
+    Exercise 2 alone is graded (``--only``): one sandbox."""
     root = SOURCE.parents[2]
     nb = json.loads((root / "solutions" / SOURCE.name).read_text())
     cells = [c for c in nb["cells"] if c["cell_type"] == "code" and "def kv_block_offsets(" in "".join(c["source"])]

@@ -237,3 +237,31 @@ def test_lowering_ref_cnt_by_hand_is_named() -> None:
                "        for b in freed:\n            b.ref_cnt -= 1")
     passed, total, first = _points(r, "remove_skipped")
     assert passed == 0 and "blocks [3, 2, 1] were released but are not in it" in first, first
+
+
+def test_scenarios_run_without_the_hidden_references_and_return_plain_data(monkeypatch) -> None:
+    """Under grading the scenarios run in a sandbox where the exercise's reference raises: building the manager
+    and the pool must not call it (``allocate_slots`` calls ``remove_skipped_blocks``), and what comes back must
+    be plain data, the same after the trip between processes."""
+    from pagedkv.grading.lessons import l08_hybrid_models as lesson
+    from pagedkv.grading.plain import decode, encode
+    from pagedkv.kv_cache_coordinator import KVCacheCoordinator
+    from pagedkv.single_type_kv_cache_manager import SingleTypeKVCacheManager, SlidingWindowManager
+
+    ns: dict = {"cdiv": lesson.cdiv}
+    exec(NB.solutions["remove_skipped"] + "\n" + NB.solutions["sliding_hit"], ns)
+
+    def hidden(*args, **kwargs):
+        raise NotImplementedError("not available while grading")
+
+    with monkeypatch.context() as m:
+        m.setattr(SingleTypeKVCacheManager, "remove_skipped_blocks", hidden)
+        m.setattr(KVCacheCoordinator, "remove_skipped_blocks", hidden)
+        removed = lesson.drive_remove_skipped(ns["remove_skipped_blocks"], [(4, 8, 20, [8, 20]), (2, 3, 20, [10])])
+    with monkeypatch.context() as m:
+        m.setattr(SlidingWindowManager, "find_longest_cache_hit", hidden)
+        hits = lesson.drive_sliding_hit(ns["find_longest_sliding_hit"], [(4, 8, 24, [3, 5], 24), (4, 16, 24, [3], 24)])
+    assert removed[0]["before"]["table"] == [1, 2, 3, 4, 5] and removed[0]["steps"][1]["table"] == [0, 0, 0, 4, 5]
+    assert hits == [{"blocks": [0, 2, 3], "length": 12}, {"blocks": [1, 2, 3], "length": 12}]
+    for record in (removed, hits):
+        assert decode(encode(record)) == record

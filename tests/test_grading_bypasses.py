@@ -366,6 +366,11 @@ SET07_ROUTES = {
     "torch_paged_attention": "pagedkv.engine.attention.torch_paged_attention(q, kc, vc, meta, scaling)",
     "ref_paged_prefill_attention": "pagedkv.attention.ref_paged_prefill_attention(q, kc, vc, meta.block_tables, "
                                    "meta.seq_lens, meta.query_start_loc, scaling)",
+    # the engine's write-then-attend that both model paths call, and the compiled CPU attention (every row)
+    "engine_paged_attention": "pagedkv.engine.attention.paged_attention(q, k, v, module.layer_idx, meta, scaling)",
+    "cpu_kernel": "pagedkv.engine.cpu_kernel.decode_attention(q.contiguous(), kc, vc, meta.block_tables, "
+                  "meta.seq_lens, meta.query_start_loc, torch.arange(len(meta.seq_lens)), (o := torch.empty_like(q)), "
+                  "scaling) or o",
 }
 
 
@@ -373,10 +378,73 @@ SET07_ROUTES = {
 @pytest.mark.parametrize("route", list(SET07_ROUTES))
 def test_set07_attention_reached_through_the_library_scores_0(tmp_path, route):
     """Before the fix: paged_attention 4/4 through the engine's ``torch_paged_attention`` or lesson 6's
-    ``ref_paged_prefill_attention`` (the exercise told the learner to call the latter)."""
+    ``ref_paged_prefill_attention`` (the exercise told the learner to call the latter); the engine's
+    ``paged_attention`` and the compiled CPU attention are hidden too (``tests/test_exercises_07_serving_engine.py``
+    walks the library for every such route)."""
     answer = SET07_ATTENTION.replace("ROUTE", SET07_ROUTES[route])
     scores = grade_variant(tmp_path, "07_serving_engine", {"paged_attention": answer})
     assert scores["paged_attention"] == 0, scores
+
+
+# Both pieces right on the step their end-to-end check tries first (so the check goes on to the engine), wrong
+# inside the engine: prepare_inputs reads every request from position 0 (right while nothing is cached yet, as in
+# the lesson's step), paged_attention always uses the last layer's cache (the layer of random_metadata(0)).
+SET07_WRONG_IN_THE_ENGINE = {
+    "prepare_inputs": ("start = scheduler_output.num_computed_tokens[rid]", "start = 0"),
+    "paged_attention": ("meta.kv_caches[module.layer_idx]", "meta.kv_caches[-1]"),
+}
+# ...and a cell that hands the end-to-end run Hugging Face's tokens: the scenario that ran the engine in the
+# learner's process, and the engine's generate itself, both replaced there by transformers' generate.
+SET07_FORGED_GENERATE = '''
+
+import types as _types
+
+import pagedkv.engine as _engine
+import pagedkv.grading.lessons.l07_serving_engine as _l07
+
+
+def _hf_tokens(model, prompts, max_tokens):
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               max_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+def _forged_generate(self, prompts, sampling_params=None, **kwargs):
+    return [_types.SimpleNamespace(outputs=[_types.SimpleNamespace(token_ids=t)])
+            for t in _hf_tokens(self.model, prompts, sampling_params.max_tokens)]
+
+
+_engine.LLM.generate = _forged_generate
+_l07.drive_end_to_end = lambda seed, prepare=None, attention=None: {
+    "tokens": _hf_tokens(_l07.tiny_llama(seed), _l07.end_to_end_prompts(seed), 5)}
+'''
+
+
+@pytest.mark.slow
+def test_set07_end_to_end_tokens_forged_in_the_learners_process_score_0(tmp_path):
+    """The end-to-end checks used to run the engine in the sandbox and compare the tokens it returned: a cell that
+    patches the engine's ``generate`` (or the scenario that called it) to return transformers' own greedy tokens
+    passed both (2 points, with answers right only on the check's first step). The engine now runs in the grader's
+    process, each call of the learner's function sent to the sandbox with its inputs as plain data."""
+    import json
+
+    from source_notebook import SourceNotebook
+
+    solutions = SourceNotebook(ROOT / "grading" / "source" / "07_serving_engine.ipynb",
+                               tolerate_cell_errors=True).solutions
+    answers = {}
+    for name, (old, new) in SET07_WRONG_IN_THE_ENGINE.items():
+        assert old in solutions[name], f"the solution of {name} no longer contains {old!r}"
+        answers[name] = solutions[name].replace(old, new)
+    answers["prepare_inputs"] += SET07_FORGED_GENERATE
+    grade_variant(tmp_path, "07_serving_engine", answers)
+    cases = {c["name"]: c for e in json.loads((tmp_path / "r.json").read_text())["notebooks"][0]["exercises"]
+             for c in e["cases"]}
+    # the first step of each end-to-end check passes (so the engine runs), the engine's tokens do not
+    assert cases["test_prepare_inputs_example"]["passed"], cases["test_prepare_inputs_example"]
+    for case in ("test_prepare_inputs_end_to_end", "test_paged_attention_end_to_end"):
+        assert not cases[case]["passed"], cases[case]
+        assert "Hugging Face's generate gives" in cases[case]["message"], cases[case]
 
 
 # --------------------------------------------------------------------------------------------------- set 03
@@ -385,9 +453,9 @@ SET03_MORE = {
     # get_new_blocks and evict_blocks call.
     "EvictingBlockPool": EVICTING_POOL.format(
         evict='for block in blocks:\n            getattr(self, "_maybe_evict" + "_cached_block")(block)'),
-    # Only the choice of blocks is the learner's: it is planted on the manager (a mirrored object of the check's
-    # process) as a one-shot _blocks_written, so the check's own super().allocate_slots, which is the library's in
-    # the trusted process, does the copy itself (fresh block, table, free, pending_copies).
+    # Only the choice of blocks is the learner's: it is planted on the manager as a one-shot _blocks_written, so
+    # the check's harness, whose super().allocate_slots is the library's (its copy loop is no exercise's
+    # reference), would do the copy itself (fresh block, table, free, pending_copies).
     "copy_on_write": '''def copy_on_write(manager, request, num_new_tokens):
     bs = manager.block_size
     table = manager.req_to_blocks[request.request_id]
@@ -406,8 +474,9 @@ SET03_MORE = {
 
 @pytest.mark.slow
 def test_set03_copy_on_write_planted_on_the_checks_manager_scores_0(tmp_path):
-    """copy_on_write planting ``manager._blocks_written`` (the check's manager, in the trusted process, would run the
-    library's copy for it): the check drops methods planted on the manager and fails the call (5/5 before)."""
+    """copy_on_write planting ``manager._blocks_written`` (the check's manager would run the library's copy for it):
+    the scenario's harness drops methods planted on the manager and the check fails the call (5/5 before; the
+    variants that reach the library's copy by other ways: tests/test_exercises_03_prefix_caching.py)."""
     scores = grade_variant(tmp_path, "03_prefix_caching", {"copy_on_write": SET03_MORE["copy_on_write"]})
     assert scores["copy_on_write"] == 0, scores
 

@@ -347,20 +347,16 @@ def test_the_copy_stubs_a_listed_function_under_every_name(tmp_path):
     assert "pagedkv.sizing.num_gpu_blocks" in seen["pagedkv.sizing.kv_cache_utils.num_gpu_blocks"]
 
 
-def test_a_reference_the_sandbox_sends_back_raises_the_stubs_message():
-    """A learner's code that returns the library's answer (the function, or a class whose method is listed) hands
-    the worker a name; the worker's stand-in raises the stub's own words, not a message of its own."""
-    from pagedkv.grading.remote import Client
+def test_a_reference_the_sandbox_sends_back_arrives_as_a_name_only():
+    """A learner's code that returns the library's answer (the function, or its class) hands the worker a name,
+    never an object it could call: the check that calls it fails, and nothing of the library's runs for it."""
+    from pagedkv.grading import plain
 
-    client = Client(None, ["pagedkv.fragmentation.blocks_needed", "pagedkv.block_pool.BlockPool.get_new_blocks"])
-    with pytest.raises(RuntimeError) as fn_raised:
-        client._resolve("pagedkv.fragmentation:blocks_needed")(40, 16)
-    assert str(fn_raised.value) == sandbox.hidden_message("pagedkv.fragmentation.blocks_needed", "blocks_needed")
-    pool_class = client._resolve("pagedkv.block_pool:BlockPool")
-    with pytest.raises(RuntimeError) as method_raised:
-        pool_class.get_new_blocks(None, 1)
-    assert str(method_raised.value) == sandbox.hidden_message("pagedkv.block_pool.BlockPool.get_new_blocks",
-                                                              "BlockPool.get_new_blocks")
+    for sent in ({"$lib": "pagedkv.fragmentation:blocks_needed"}, {"$lib": "pagedkv.block_pool:BlockPool"}):
+        got = plain.decode(json.loads(json.dumps(sent)))
+        assert isinstance(got, plain.LibraryName) and got == sent["$lib"]
+        with pytest.raises(TypeError):
+            got(40, 16)
 
 
 # ------------------------------------------------------------------------------------ the routes, graded

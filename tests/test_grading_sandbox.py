@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from pagedkv.grading import classroom, grade
+from pagedkv.grading.client import Client
 from pagedkv.grading.limits import Limits
 from pagedkv.grading.output import escape_controls, write_replacing
-from pagedkv.grading.remote import Client
 from pagedkv.grading.sandbox import Cgroup, Sandbox, bwrap_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,3 +280,40 @@ def test_a_kernel_body_that_is_not_triton_fails_its_exercise(body, used):
     program = kernel_program([helper, kernel], ["k"])
     assert program is not None and used in program.problems["helper"], program.problems
     assert kernel_program([kernel.replace("helper(", "tl.sum(")], ["k"]).problems == {}
+
+
+@needs_bwrap
+def test_only_plain_data_crosses_and_a_scenario_runs_beside_the_learners_code():
+    """The narrow protocol, end to end: a plain call, a scenario (``checks.drive``) on the learner's function in
+    the sandbox, a learner's object that cannot cross (an ``__eq__`` that says yes to everything), and a library
+    function the learner hands back, which arrives as its name only."""
+    from pagedkv.grading import checks, plain
+    from pagedkv.grading.lessons.l02_block_pool import drive_slot_mapping
+
+    sandbox = Sandbox(references=["pagedkv.fragmentation.blocks_needed"], limits=Limits(), require=True)
+    sandbox.start()
+    try:
+        client = Client(sandbox, ["pagedkv.fragmentation.blocks_needed"])
+        cell = ("class Yes:\n    def __eq__(self, other):\n        return True\n\n"
+                "def liar():\n    return Yes()\n\n"
+                "def slot_mapping(table, positions, block_size):\n"
+                "    return [table[p // block_size] * block_size + p % block_size for p in positions]\n\n"
+                "def answer():\n    from pagedkv.fragmentation import blocks_needed\n    return blocks_needed\n\n"
+                "limit = 7\n")
+        assert client.exec_cell(1, cell, 120) == {}
+        found = client.names(["slot_mapping", "liar", "answer", "limit", "Yes", "missing"])
+        assert found["limit"] == 7 and "missing" not in found
+        fn, liar, answer = found["slot_mapping"], found["liar"], found["answer"]
+        assert isinstance(fn, plain.Learner) and fn.kind == "function" and found["Yes"].kind == "class"
+        client.start_case(60)
+        assert fn([3, 1], [0, 5], 4) == [12, 5]
+        records = checks.drive(drive_slot_mapping, fn, [([3, 1], [0, 5], 4), ([3], {"range": [0, 2]}, 4)])
+        assert records == drive_slot_mapping(lambda t, p, b: [t[i // b] * b + i % b for i in p],
+                                             [([3, 1], [0, 5], 4), ([3], {"range": [0, 2]}, 4)])
+        with pytest.raises(TypeError, match="cannot send the result|cannot be sent"):
+            liar()
+        came_back = answer()
+        assert isinstance(came_back, plain.LibraryName) and not callable(came_back)
+        client.end_case()
+    finally:
+        sandbox.close()

@@ -4,8 +4,8 @@
   ``grading/autograder/NN_name.zip`` (``pagedkv build-exercises``), reproducibly.
 - :mod:`pagedkv.grading.grade`: grade notebooks on copies, with time limits (``pagedkv grade``).
 - :mod:`pagedkv.grading.worker`: one notebook, graded in a trusted process of its own: the hidden tests run
-  there, with proxies for the learner's functions (:mod:`~pagedkv.grading.remote`, over
-  :mod:`~pagedkv.grading.wire`: JSON, never pickle), while the learner's code runs only in a sandbox
+  there, with names for the learner's functions and classes (:mod:`~pagedkv.grading.client`); only plain data
+  crosses (:mod:`~pagedkv.grading.plain`: JSON, never pickle) to the sandbox that runs the learner's code
   (:mod:`~pagedkv.grading.sandbox`, :mod:`~pagedkv.grading.sandbox_main`), one per exercise.
 - :mod:`pagedkv.grading.progress`: ``.pagedkv/progress.json``, :func:`progress_table`, :func:`grade_notebook_here`.
 - :mod:`pagedkv.grading.classroom`: ``pagedkv grade --class FOLDER --csv FILE``.

@@ -38,15 +38,18 @@ __all__ = [
     "STUB_NOTE",
     "CallTimeout",
     "describe",
+    "drive",
     "expect_close",
     "expect_equal",
     "expect_raises",
     "fail",
     "format_call",
     "is_int",
+    "learner_class",
     "require_function",
     "run",
     "time_limit",
+    "where",
 ]
 
 #: Seconds one call of the learner's code may take before it counts as an infinite loop.
@@ -106,7 +109,7 @@ def describe(value: Any, limit: int = 160) -> str:
             if len(", ".join(head + [item])) + len(tail) + 30 > limit:
                 break
             head.append(item)
-        return f"{open_}{', '.join(head)}, ..., {tail}{close} ({len(value)} items)"
+        return f"{open_}{''.join(h + ', ' for h in head)}..., {tail}{close} ({len(value)} items)"
     text = text[: limit - 20] + " ... " + text[-12:]
     if isinstance(value, _SIZED):
         text += f" ({len(value)} items)"
@@ -122,16 +125,42 @@ def format_call(name: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] |
 
 def require_function(fn: Any, name: str) -> None:
     """Fail unless ``fn`` (the learner's ``name``, as otter passed it in) is a function."""
+    from pagedkv.grading.plain import Learner
+
     if fn is None:
         fail(f"{name} is not defined: run the cell that defines it (and the cells above it) first")
-    if not callable(fn):
-        fail(f"{name} should be a function, but it is {describe(fn)} ({type(fn).__name__})")
-    module = getattr(fn, "__module__", None) or ""
+    if isinstance(fn, Learner) and fn.kind == "other" or not isinstance(fn, Learner) and not callable(fn):
+        kind = fn.type_name if isinstance(fn, Learner) else type(fn).__name__
+        fail(f"{name} should be a function, but it is {describe(fn)} ({kind})")
+    module = (fn.module if isinstance(fn, Learner) else getattr(fn, "__module__", None)) or ""
     if module.startswith("pagedkv."):
         fail(
             f"{name} is the library's reference ({module}.{name}); write your own in the answer cell "
             "instead of importing it"
         )
+
+
+def learner_class(cls: Any, name: str, base: type, methods: Sequence[str] = ()) -> Any:
+    """Fail unless ``cls`` (the learner's ``name``) is a class, a subclass of the library's ``base``, whose own
+    body (not the library's) defines each of ``methods``; returns it. It reads the real class in a check cell,
+    and under ``pagedkv grade`` what the sandbox said of it (:class:`~pagedkv.grading.plain.Learner`)."""
+    from pagedkv.grading.plain import Learner
+
+    if cls is None:
+        fail(f"{name} is not defined: run the cell that defines it (and the cells above) first")
+    if isinstance(cls, Learner):
+        is_class, is_sub, own = cls.kind == "class", f"{base.__module__}.{base.__qualname__}" in cls.bases, cls.own
+    else:
+        is_class = isinstance(cls, type)
+        is_sub = is_class and issubclass(cls, base)
+        own = [m for m in methods if is_class and not (getattr(getattr(cls, m, None), "__module__", "") or "")
+               .startswith("pagedkv.")]
+    if not (is_class and is_sub):
+        fail(f"{name} should be a subclass of {base.__name__}, got {describe(cls)}")
+    for meth in methods:
+        if meth not in own:
+            fail(f"{name}.{meth} is the library's: define it in your class")
+    return cls
 
 
 #: The clock a time limit counts, set by the grading worker (:mod:`pagedkv.grading.worker`): CPU seconds of the
@@ -142,12 +171,16 @@ cpu_clock: Callable[[], float] | None = None
 _POLL = 0.1  # seconds between two looks at the CPU clock
 
 
+_LIMITS: list[Callable[[], bool]] = []  # the enclosing limits' "has my time run out?", innermost last
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
     """Interrupt the block with :class:`CallTimeout` after ``seconds`` (main thread on POSIX only; elsewhere
     the block simply runs unbounded and the grader's per-notebook timeout is the backstop): CPU seconds under
     grading (:data:`cpu_clock`), wall-clock seconds otherwise. A limit inside another one leaves the outer one
-    running."""
+    running: when the inner block ends after the outer limit's time ran out, the outer one fires then (a loop of
+    short limited calls cannot outlive the limit around it)."""
     usable = (
         seconds is not None
         and hasattr(signal, "setitimer")
@@ -163,11 +196,13 @@ def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
     cpu_start = clock() if clock is not None else 0.0
     fired: list[bool] = []
 
+    def over() -> bool:
+        if clock is None:
+            return time.monotonic() - wall_start >= seconds
+        return clock() - cpu_start >= seconds or time.monotonic() - wall_start >= WALL_FACTOR * seconds
+
     def on_alarm(signum: int, frame: Any) -> None:
-        if fired:
-            return
-        if clock is not None and clock() - cpu_start < seconds and \
-                time.monotonic() - wall_start < WALL_FACTOR * seconds:
+        if fired or (clock is not None and not over()):
             return  # still within the limit: the timer looks again in _POLL seconds
         fired.append(True)
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -178,12 +213,16 @@ def time_limit(seconds: float | None, what: str = "the call") -> Iterator[None]:
         outer = signal.setitimer(signal.ITIMER_REAL, float(seconds))
     else:
         outer = signal.setitimer(signal.ITIMER_REAL, min(float(seconds), _POLL), _POLL)
+    _LIMITS.append(over)
     try:
         yield
     finally:
+        _LIMITS.pop()
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if outer[0] > 0:  # an enclosing limit's timer: running again, less the time spent here
+            if _LIMITS and _LIMITS[-1]():  # its time ran out while this one ran: it fires now
+                previous(signal.SIGALRM, None)
             left = outer[0] - (time.monotonic() - wall_start)
             signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer[1])
 
@@ -201,7 +240,8 @@ def own_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummar
         if not (name.startswith(_INSTALLED) or "site-packages" in name or "dist-packages" in name
                 or name.startswith(_LIBRARY)):
             return frame
-    return frames[-1] if frames else None
+    last = frames[-1] if frames else None
+    return None if last is None or f"{os.sep}grading{os.sep}" in last.filename else last
 
 
 def statement_text(frame: traceback.FrameSummary) -> str:
@@ -356,3 +396,58 @@ def expect_raises(
         fail(f"{label} raised {type(exc).__name__}: {exc}, expected {exc_type.__name__}{reason}{_where(exc)}")
     else:
         fail(f"{label} returned {describe(got)}, expected it to raise {exc_type.__name__}{reason}")
+
+
+def where(exc: BaseException) -> str:
+    """' (in f, line 3: return x // 0)': the learner's line an exception came from, for a scenario's record of a
+    step that raised (:func:`drive`)."""
+    return _where(exc)
+
+
+def drive(scenario: Callable[..., Any], *args: Any, uses: Sequence[str] = (), timeout: float = 30.0,
+          name: str | None = None) -> Any:
+    """``scenario(*args)``, run where the learner's code runs, and its result as plain data.
+
+    A check that drives the learner's class, or calls the learner's function on library objects, does it
+    through a *scenario*: a module-level function ``drive_*`` of its lesson module (``pagedkv.grading.lessons``)
+    that builds the objects, makes the calls and returns what it saw as plain data (numbers, strings, lists,
+    tuples, dicts, sets, bytes, tensors, dtypes: :mod:`pagedkv.grading.plain`), never a verdict. The check then
+    runs the same scenario on the reference, here, and compares.
+
+    - In a check cell (the notebook's kernel) ``args`` hold the learner's real objects and the scenario runs
+      here.
+    - Under ``pagedkv grade`` the learner's objects are :class:`~pagedkv.grading.plain.Learner` names: the
+      scenario runs in the sandbox, found there by its name in the sandbox's copy of the library, with the
+      learner's objects in place of the names; only plain data crosses, both ways.
+
+    ``uses``: library symbols (dotted, ``pagedkv.kv_cache_manager.KVCacheManager._cache_blocks``) the scenario
+    composes with the learner's code that may be this exercise's reference; the grader then runs it in a
+    sandbox where they are the library's (the part under test stays hidden). An exception the scenario lets out
+    is raised here (rebuilt, with the learner's line: :func:`where`); a scenario still running after
+    ``timeout`` seconds (CPU seconds under grading) fails the test case."""
+    from pagedkv.grading.plain import Learner, decode, encode
+
+    label = name or f"{getattr(scenario, '__name__', 'the scenario')}(...)"
+    qual = getattr(scenario, "__qualname__", "")
+    if not getattr(scenario, "__module__", "").startswith("pagedkv.grading.lessons") or "." in qual:
+        raise TypeError(f"{label}: a scenario is a module-level function of a pagedkv.grading.lessons module")
+    learners = [a for a in args if isinstance(a, Learner)]
+    if learners:
+        return learners[0]._client.drive(f"{scenario.__module__}:{qual}", args, uses=list(uses), timeout=timeout,
+                                         label=label)
+    for arg in args:  # what grading could send: plain data, library names, and the learner's own objects
+        if not _learners_own(arg):
+            encode(arg)
+    try:
+        with time_limit(timeout, label):
+            result = scenario(*args)
+    except CallTimeout:
+        fail(f"{label} did not finish within {timeout:g} s: is there an infinite loop?")
+    return decode(encode(result))  # what grading would see: plain data only
+
+
+def _learners_own(value: Any) -> bool:
+    """A function, class or object the learner's notebook made (it stays in the learner's process)."""
+    module = getattr(value, "__module__", None) if isinstance(value, (type, types.FunctionType)) \
+        else type(value).__module__
+    return not isinstance(module, str) or not module.startswith(("pagedkv", "builtins", "torch", "numpy"))

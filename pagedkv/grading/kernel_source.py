@@ -82,10 +82,11 @@ class KernelProgram:
         self.problems = problems
 
 
-def kernel_program(cells: list[str], wanted: list[str]) -> KernelProgram | None:
+def kernel_program(cells: list[str], wanted: list[str], *, kernel: bool = False) -> KernelProgram | None:
     """The program that defines the notebook's ``@triton.jit`` functions (the last definition of each name, in
-    notebook order) and its numeric constants, when every name in ``wanted`` is such a function; else None (the
-    exercise is not a kernel, or its kernel is not defined: graded the ordinary way)."""
+    notebook order) and its numeric constants, when every name in ``wanted`` is such a function, or always for a
+    ``kernel`` exercise (its stub is a ``@triton.jit`` function: a name the notebook defines some other way is
+    then simply not defined, and nothing else of the notebook runs); else None (graded the ordinary way)."""
     defs: dict[str, ast.FunctionDef] = {}
     constants: dict[str, ast.Assign] = {}
     sources: dict[int, str] = {}
@@ -104,10 +105,10 @@ def kernel_program(cells: list[str], wanted: list[str]) -> KernelProgram | None:
                   and _is_constant(node.value)):
                 constants[node.targets[0].id] = node
                 sources[id(node)] = ast.unparse(node)
-    if not wanted or not all(name in defs for name in wanted):
+    if not wanted or not kernel and not all(name in defs for name in wanted):
         return None
     allowed = set(defs) | set(constants) | {"tl", "triton"}
-    reached, todo = set(), list(wanted)  # the wanted kernels and the @triton.jit functions they call
+    reached, todo = set(), [w for w in wanted if w in defs]  # the wanted kernels and the jit functions they call
     while todo:
         name = todo.pop()
         if name in reached:

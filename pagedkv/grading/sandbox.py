@@ -71,7 +71,8 @@ def _names_used(obj: object) -> set[str]:
     """The global names a function (or each method of a class) uses, nested functions included."""
     import inspect
 
-    codes = [getattr(f, "__code__", None) for f in (vars(obj).values() if inspect.isclass(obj) else [obj])]
+    codes = [getattr(inspect.unwrap(f), "__code__", None) if callable(f) else None
+             for f in (vars(obj).values() if inspect.isclass(obj) else [obj])]  # a @contextmanager's own body
     names: set[str] = set()
     while codes:
         code = codes.pop()

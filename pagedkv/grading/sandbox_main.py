@@ -2,19 +2,20 @@
 
 Started by :mod:`pagedkv.grading.sandbox` from a throwaway copy of the library (the exercise's reference symbols
 replaced by stubs), as another user where the grader runs as root, with memory and CPU limits, in a session of
-its own. It reads requests from one pipe and answers on another (:mod:`pagedkv.grading.wire`: JSON, never
+its own. It reads requests from one pipe and answers on another (:mod:`pagedkv.grading.plain`: JSON, never
 pickle); the learner's prints go to a log nobody reads. It does what the trusted grader asks:
 
 - ``exec``: run one of the notebook's code cells in the notebook's namespace (``__main__``);
-- ``names``: the values the test parameters name (plain data, or handles to the learner's functions/classes);
-- ``call`` / ``getattr`` / ``setattr`` / ``getitem`` / ``setitem`` / ``len`` / ``iter`` / ``next`` / ``repr`` /
-  ``str`` / ``bool`` / ``contains``: on a handle, for the trusted side's proxies;
-- ``launch``: launch a library Triton kernel here (a check's harness) with a learner's ``@triton.jit`` function
-  among its arguments, the output tensors written back;
-- ``reset``: forget the handles and mirrored objects of the previous test case.
+- ``names``: what the test parameters name: a plain value, or a description of the learner's function, class
+  or object (kind, type, for a class its library bases and its own names), never the object itself;
+- ``call``: call the learner's function of that name with plain arguments;
+- ``drive``: run a scenario (a ``drive_*`` function of a lesson module, from this copy of the library) on plain
+  arguments and the learner's objects named in them;
+- ``bind`` / ``restore``: put library functions in place of some of the learner's names for one test case.
 
-Whatever happens here, the trusted side only sees the answers: nothing the learner's code does in this process
-can change how those answers are judged.
+Every answer is plain data, or an exception as its type's name, message and the learner's line. Whatever
+happens here, the trusted side only sees the answers: nothing the learner's code does in this process can
+change how those answers are judged.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import builtins
 import linecache
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
-from pagedkv.grading.wire import Codec, ProtocolError, exception_info, read_message, write_message
+from pagedkv.grading.plain import ProtocolError, decode, encode, exception_info, read_message, resolve, write_message
 
 __all__ = ["main"]
+
+_MISSING = object()
 
 
 class Server:
@@ -41,44 +45,29 @@ class Server:
             self.ns["display"] = display
         except Exception:  # noqa: BLE001 - optional
             pass
-        self.handles: dict[int, Any] = {}
-        self.handle_ids: dict[int, int] = {}
-        self.next_handle = 0
-        self.roots: list[Any] = []  # what this request's code could reach: target, arguments, result
-        self.codec = Codec("s", export=self.export, import_handle=None, exported=self.handles.__getitem__)
-
-    # ------------------------------------------------------------------ handles
-    def export(self, obj: Any) -> dict:
-        hid = self.handle_ids.get(id(obj))
-        if hid is None or self.handles.get(hid) is not obj:
-            self.next_handle += 1
-            hid = self.next_handle
-            self.handles[hid] = obj
-            self.handle_ids[id(obj)] = hid
-        name = getattr(obj, "__name__", None) if isinstance(obj, type) or callable(obj) else None
-        module = getattr(obj, "__module__", None)
-        if isinstance(obj, type):
-            from pagedkv.grading.wire import is_library_module, qualified_name
-
-            base = next((qualified_name(k) for k in obj.__mro__ if is_library_module(k.__module__)
-                         and qualified_name(k) is not None), None)
-            own = sorted({str(n) for k in obj.__mro__ if not is_library_module(k.__module__) for n in vars(k)})
-            return {"$h": hid, "type": type(obj).__name__, "callable": True, "is_class": True,
-                    "module": module if isinstance(module, str) else None, "name": obj.__name__,
-                    "library_base": base, "own_names": own}
-        return {"$h": hid, "type": type(obj).__name__, "type_module": type(obj).__module__, "callable": callable(obj),
-                "module": module if isinstance(module, str) else None,
-                "is_class": isinstance(obj, type), "name": name if isinstance(name, str) else None}
+        self.saved: dict[str, Any] = {}  # the learner's names that ``bind`` replaced, for ``restore``
 
     @staticmethod
-    def plain(value: Any, depth: int = 0) -> bool:
-        if value is None or type(value) in (bool, int, float, str, bytes):
-            return True
-        if depth < 8 and type(value) in (list, tuple, set, frozenset):
-            return all(Server.plain(v, depth + 1) for v in value)
-        if depth < 8 and type(value) is dict:
-            return all(Server.plain(k, depth + 1) and Server.plain(v, depth + 1) for k, v in value.items())
-        return False
+    def describe(value: Any) -> dict:
+        """What the trusted side may know of a learner's function, class or object (never the object)."""
+        from pagedkv.grading.plain import _library_name
+
+        module = getattr(value, "__module__", None)
+        info: dict[str, Any] = {"type_name": type(value).__name__,
+                                "module": module if isinstance(module, str) else None}
+        if isinstance(value, type):
+            library = [k for k in value.__mro__ if _library_name(k) is not None]
+            info.update(kind="class", bases=[f"{k.__module__}.{k.__qualname__}" for k in library],
+                        own=sorted({str(n) for k in value.__mro__ if k is not object and k not in library
+                                    for n in vars(k)}))
+        elif callable(value):
+            import types
+
+            plain_function = isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType))
+            info["kind"] = "function" if plain_function else "callable"
+        else:
+            info["kind"] = "other"
+        return info
 
     # ------------------------------------------------------------------ cells
     def run_cell(self, number: int, source: str) -> dict:
@@ -111,89 +100,60 @@ class Server:
         return out + (f" (line {line})" if line else "")
 
     # ------------------------------------------------------------------ requests
-    def handle(self, msg: dict) -> dict:
+    def learner(self, name: str) -> Any:
+        return self.ns.get(name)
+
+    def handle(self, msg: dict) -> Any:  # noqa: C901 - one branch per request
         op = msg.get("op")
         if op == "exec":
             return self.run_cell(int(msg["number"]), str(msg["source"]))
-        if op == "reset":
-            self.handles.clear()
-            self.handle_ids.clear()
-            self.codec.clear()
-            return {}
-        for hid in msg.get("release") or []:  # handles the trusted side no longer holds
-            obj = self.handles.pop(int(hid), None)
-            if obj is not None and self.handle_ids.get(id(obj)) == int(hid):
-                del self.handle_ids[id(obj)]
-        self.codec.load_storages(msg.get("storages") or {})
-        self.codec.apply_mirror_states(msg.get("mirrors") or {})
-        self.roots = []
         if op == "names":
             out = {}
-            for name in msg["names"]:
+            for name in msg.get("names") or []:
+                name = str(name)
                 if name == "env":
-                    out[name] = self.export(self.ns)
+                    out[name] = {"learner": {"kind": "namespace", "type_name": "dict"}}
                 elif name in self.ns:
                     value = self.ns[name]
-                    out[name] = self.codec.encode(value) if self.plain(value) else self.export(value)
-            return {"value": {"$dict": [[k, v] for k, v in out.items()]}}
-        target = self.handles.get(int(msg.get("h", 0))) if "h" in msg else None
-        if "h" in msg and int(msg["h"]) not in self.handles:
-            raise ProtocolError("unknown handle")
-        if "m" in msg:  # a mirrored learner object (a subclass of a library class): its methods run here
-            target = self.codec.mirrors.get(str(msg["m"]))
-            if target is None:
-                raise ProtocolError("unknown mirrored object")
-        roots = self.roots
-
-        def decode(value: Any) -> Any:
-            out = self.codec.decode(value)
-            roots.append(out)
-            return out
-
-        roots.append(target)
+                    try:
+                        out[name] = {"value": value} if not callable(value) and encode(value) is not _MISSING \
+                            else {"learner": self.describe(value)}
+                    except TypeError:  # not plain data: the trusted side gets a description
+                        out[name] = {"learner": self.describe(value)}
+            return {"value": encode(out)}
         if op == "call":
-            result = target(*decode(msg.get("args") or []), **decode(msg.get("kwargs") or {"$dict": []}))
-        elif op == "getattr":
-            result = getattr(target, str(msg["name"]))
-        elif op == "setattr":
-            setattr(target, str(msg["name"]), decode(msg["value"]))
-            result = None
-        elif op == "getitem":
-            result = target[decode(msg["key"])]
-        elif op == "setitem":
-            target[decode(msg["key"])] = decode(msg["value"])
-            result = None
-        elif op == "len":
-            result = len(target)
-        elif op == "iter":
-            result = self.export(iter(target))
-            return {"value": result}
-        elif op == "next":
-            result = next(target)
-        elif op == "repr":
-            result = repr(target)
-        elif op == "str":
-            result = str(target)
-        elif op == "bool":
-            result = bool(target)
-        elif op == "contains":
-            result = decode(msg["item"]) in target
-        elif op == "subclass":  # a check's subclass of the learner's class (its other methods the library's)
-            ns = decode(msg.get("namespace") or {"$dict": []})
-            bases = tuple(decode(msg.get("bases") or []))
-            result = type(str(msg["name"]), bases, dict(ns))
-            return {"value": self.export(result)}
-        elif op == "launch":
-            from pagedkv.grading.wire import resolve_name
+            fn = self.ns.get(str(msg.get("name")))
+            if fn is None:
+                raise NameError(f"name {msg.get('name')!r} is not defined")
+            args = decode(msg.get("args") or [], self.learner)
+            kwargs = decode(msg.get("kwargs") or {"$dict": []}, self.learner)
+            return {"value": encode(fn(*args, **kwargs))}
+        if op == "drive":
+            from pagedkv.grading import checks
 
-            kernel = resolve_name(str(msg["kernel"]))
-            grid = tuple(int(g) for g in decode(msg["grid"]))
-            result = kernel[grid](*decode(msg.get("args") or []), **decode(msg.get("kwargs") or {"$dict": []}))
-            result = None
-        else:
-            raise ProtocolError(f"unknown request {op!r}")
-        roots.append(result)
-        return {"value": self.codec.encode(result)}
+            name = str(msg.get("scenario"))
+            if not name.startswith("pagedkv.grading.lessons.") or not name.partition(":")[2].startswith("drive_"):
+                raise ProtocolError(f"{name!r} is not a scenario")
+            scenario = resolve(name)
+            args = decode(msg.get("args") or [], self.learner)
+            checks.cpu_clock = time.process_time  # the scenario's limit counts this process's CPU seconds
+            with checks.time_limit(float(msg.get("timeout") or 30.0), name.partition(":")[2]):
+                result = scenario(*args)
+            return {"value": encode(result)}
+        if op == "bind":
+            for name, value in decode(msg.get("values") or {"$dict": []}, self.learner).items():
+                self.saved.setdefault(str(name), self.ns.get(str(name), _MISSING))
+                self.ns[str(name)] = value
+            return {"value": None}
+        if op == "restore":
+            for name, value in self.saved.items():
+                if value is _MISSING:
+                    self.ns.pop(name, None)
+                else:
+                    self.ns[name] = value
+            self.saved.clear()
+            return {"value": None}
+        raise ProtocolError(f"unknown request {op!r}")
 
     def serve(self) -> None:
         while True:
@@ -203,19 +163,10 @@ class Server:
                 continue
             except (EOFError, ProtocolError):
                 return
-            self.codec.begin()
             try:
                 reply = self.handle(msg)
             except BaseException as exc:  # noqa: BLE001 - the learner's code raised: an answer, not a crash
                 reply = {"raised": exception_info(exc)}
-            if msg.get("op") not in ("exec", "reset"):
-                try:
-                    reply["mirrors"] = self.codec.mirror_states(self.roots)
-                    reply["writeback"] = {sid: self.codec._encode_storage_bytes(t)
-                                          for sid, t in self.codec.received_storages.items()}
-                    reply["storages"] = self.codec.storages()
-                except BaseException as exc:  # noqa: BLE001 - an object the wire cannot carry
-                    reply = {"raised": exception_info(TypeError(f"cannot send the result back: {exc}"))}
             self.reply(reply)
 
     def reply(self, reply: dict) -> None:

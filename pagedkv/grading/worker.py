@@ -12,10 +12,11 @@ notebook's time is up. The worker:
    limit: a cell still running is interrupted (and, if it will not stop, its process killed and the
    notebook run again without it), and reported with its number, first line, the names it defines and its
    error;
-3. runs the exercise's test cases *here*, with :class:`~pagedkv.grading.remote.RemoteObject` proxies in place
-   of the learner's names (:mod:`pagedkv.grading.remote`): the learner's code runs in the sandbox, the
-   comparison here. Each case has a time budget; a case that exceeds it, or whose calls end the sandbox,
-   fails alone, with a message that says so;
+3. runs the exercise's test cases *here*, with :class:`~pagedkv.grading.plain.Learner` names in place of the
+   learner's functions and classes (:mod:`pagedkv.grading.client`): the learner's code runs in the sandbox,
+   called with plain data or driven by a scenario there, and the comparison happens here. Each case has a
+   time budget; a case that exceeds it, or whose calls end the sandbox, fails alone, with a message that says
+   so;
 4. kills the sandbox and everything it started, and goes on with the next exercise;
 5. writes ``{"ok": true, "questions": [...], "cells": [...]}`` (or ``{"ok": false, "error": ...}``) to ``--out``.
 """
@@ -169,6 +170,7 @@ class Question:
     name: str
     cases: list[Case] = field(default_factory=list)
     reference: list[str] = field(default_factory=list)
+    kernel: bool = False  # its stub is a @triton.jit function: graded from the notebook's kernels alone
 
 
 def load_tests(zip_path: Path) -> list[Question]:
@@ -206,8 +208,9 @@ def load_tests(zip_path: Path) -> list[Question]:
             namespace: dict[str, Any] = {"__name__": f"pagedkv_tests_{Path(entry).stem}", "test_case": test_case}
             exec(compile(source, f"<tests/{Path(entry).name}>", "exec"), namespace)  # noqa: S102 - trusted zip
             qname = str(namespace.get("name") or Path(entry).stem)
-            ref = described.get(qname, {}).get("reference") if isinstance(described.get(qname), dict) else None
-            questions[qname] = Question(qname, cases, expand_classes(str(r) for r in ref or []))
+            info = described.get(qname) if isinstance(described.get(qname), dict) else {}
+            questions[qname] = Question(qname, cases, expand_classes(str(r) for r in info.get("reference") or []),
+                                        "@triton.jit" in str(info.get("stub") or ""))
     checks = lesson_checks(sources)  # hidden in every exercise of the set
     for q in questions.values():
         q.reference[:] = sorted(set(q.reference) | set(checks))
@@ -272,7 +275,7 @@ class Grader:
         """A sandbox that has run the notebook's cells (or, for a kernel exercise, only ``program``: the learner's
         ``@triton.jit`` functions, :mod:`pagedkv.grading.kernel_source`); restarts (without the culprit) when a
         cell kills it."""
-        from pagedkv.grading.remote import Client
+        from pagedkv.grading.client import Client
         from pagedkv.grading.sandbox import Sandbox
 
         if program is not None:
@@ -318,12 +321,12 @@ class Grader:
 
     def grade_question(self, q: Question) -> dict:
         """Each test case against a sandbox without the exercise's reference; a case that composes the learner's
-        class with the library's other part (:class:`~pagedkv.grading.remote.NeedsLibrary`) runs again in one
+        class with the library's other part (:class:`~pagedkv.grading.client.NeedsLibrary`) runs again in one
         where that part is the library's (the part under test is a stub in both)."""
         from pagedkv.grading.kernel_source import kernel_program
 
         wanted = sorted({p for case in q.cases for p in inspect.signature(case.func).parameters} - {"env"})
-        kernel = kernel_program([original for _, _, original in self.cells], wanted)
+        kernel = kernel_program([original for _, _, original in self.cells], wanted, kernel=q.kernel)
         if kernel is not None and kernel.problems:
             name, why = next(iter(kernel.problems.items()))
             message = f"{name} cannot be graded as a Triton kernel: {why}"
@@ -362,7 +365,7 @@ class Grader:
                 "cases": cases}
 
     def run_case(self, case: Case, refs: list[str], clients: dict) -> tuple[bool, str] | set[str]:
-        from pagedkv.grading.remote import NeedsLibrary, SandboxDied, TooSlow, forward_triton_launches
+        from pagedkv.grading.client import NeedsLibrary, SandboxDied, TooSlow
 
         key = frozenset(refs)
         client = clients.get(key)
@@ -378,8 +381,7 @@ class Grader:
         try:
             found = client.names(params)
             kwargs = {p: found.get(p) for p in params}
-            with forward_triton_launches(lambda: _CURRENT["client"]):
-                case.func(**kwargs)
+            case.func(**kwargs)
             passed = True
         except NeedsLibrary as exc:
             client.end_case()

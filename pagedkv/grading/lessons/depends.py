@@ -5,17 +5,16 @@ calls their ``kv_page_bytes`` and ``num_gpu_blocks``. Checked as written, one mi
 later exercise too, with hints about the later exercise that do not point at the cause. So a later exercise's
 checks run with each earlier function replaced, for the duration of the check, by its reference
 (:func:`with_earlier_answers`), in the namespace the learner's function reads its globals from: the notebook's
-(the in-notebook check), or the sandbox's (under ``pagedkv grade``, where the learner's function is a handle and
-its ``__globals__`` a handle to the sandbox's namespace; the reference, a function of a
-``pagedkv.grading.lessons`` module, crosses by name). The learner's names are put back afterwards, whatever
-happens.
+(the in-notebook check), or the sandbox's (under ``pagedkv grade``: the reference, a function of a
+``pagedkv.grading.lessons`` module, crosses by name and is bound there for the test case). The learner's names
+are put back afterwards, whatever happens.
 
 Where the later function still fails, the message is the later exercise's own, hint included (its mistake is
 judged as if the earlier answer were right); when the learner's earlier function fails its own check too, a
 note says so and that the check used a correct one. Set 06 does the same for
-``kv_block_offsets`` with a re-jitted kernel in the notebook (:func:`pagedkv.grading.lessons.
-l06_paged_attention_kernel.with_reference_offsets`) and the same namespace swap under ``pagedkv grade``
-(:func:`pagedkv.grading.lessons.l06_paged_attention_kernel.reference_offsets_in`).
+``kv_block_offsets`` inside its scenario (:func:`pagedkv.grading.lessons.l06_paged_attention_kernel.
+drive_decode_v1` launches a re-jitted copy of the learner's kernel over the reference, in a notebook and under
+grading alike).
 """
 
 from __future__ import annotations
@@ -39,18 +38,9 @@ class Earlier:
     check: Callable[[Any], None]  # one of its public checks: raises AssertionError on a wrong answer
 
 
-def _is_handle(value: Any) -> bool:
-    """A proxy for an object in the grader's sandbox (:class:`pagedkv.grading.remote.RemoteObject`)."""
-    return any(k.__name__ == "RemoteObject" and k.__module__ == "pagedkv.grading.remote" for k in type(value).__mro__)
-
-
-def _namespace(fn: Any, env: Any) -> Any:
-    """The globals the learner's ``fn`` reads: its ``__globals__`` when it runs in this process (the notebook's
-    namespace, whatever copy of it ``env`` is), the test's ``env`` when ``fn`` is a sandbox handle (``env`` is
-    then a handle to the sandbox's namespace; ``fn.__globals__`` would arrive as a copy); else None (a callable
-    object, a builtin: checked as it is)."""
-    if _is_handle(fn):
-        return env if env is not None and _is_handle(env) else None
+def _namespace(fn: Any) -> dict | None:
+    """The globals the learner's ``fn`` reads when it runs in this process (the notebook's namespace); None for
+    a callable object or a builtin (checked as it is)."""
     try:
         namespace = getattr(fn, "__globals__", None)
     except Exception:  # noqa: BLE001 - a learner's object whose attribute access raises
@@ -60,9 +50,11 @@ def _namespace(fn: Any, env: Any) -> Any:
 
 def _learners(value: Any) -> bool:
     """Whether ``value`` is the learner's own (not missing, not a library function imported in its place)."""
+    from pagedkv.grading.plain import Learner
+
     if value is _MISSING:
         return False
-    module = getattr(value, "__module__", None)
+    module = value.module if isinstance(value, Learner) else getattr(value, "__module__", None)
     return not (isinstance(module, str) and (module == "pagedkv" or module.startswith("pagedkv.")))
 
 
@@ -77,30 +69,47 @@ def _passes(check: Callable[[Any], None], fn: Any) -> bool:
 def with_earlier_answers(fn: Any, earlier: Sequence[Earlier], body: Callable[[], None], *, what: str,
                          env: Any = None) -> None:
     """Run ``body()`` (the checks of the learner's function ``fn``, named ``what``) with each of ``earlier``
-    replaced by its reference in ``fn``'s globals (``env``: the test's ``env`` parameter, the notebook's
-    namespace); put the learner's names back afterwards. A failure while an earlier exercise of the learner's
-    fails its own check says so, without the later exercise's hint."""
-    namespace = _namespace(fn, env)
-    saved: dict[str, Any] = {}
+    replaced by its reference in the namespace ``fn`` reads: its globals here, or under ``pagedkv grade`` the
+    sandbox's (``bind``, :meth:`pagedkv.grading.client.Client.bind`); put the learner's names back afterwards.
+    A failure while an earlier exercise of the learner's fails its own check says so, without the later
+    exercise's hint. ``env`` (the test's ``env`` parameter) is accepted for the test cells' sake."""
+    from pagedkv.grading.plain import Learner
+
     failure: AssertionError | None = None
-    try:
-        if namespace is not None:
-            for e in earlier:
-                saved[e.name] = namespace[e.name] if e.name in namespace else _MISSING
-                namespace[e.name] = e.reference
+    if isinstance(fn, Learner):
+        client = fn._client
+        mine = client.names([e.name for e in earlier])  # the learner's own, as they are before the swap
+        client.bind({e.name: e.reference for e in earlier})
         try:
             body()
         except AssertionError as exc:
             failure = exc
-    finally:
-        for name, value in saved.items():
-            if value is _MISSING:
-                namespace.pop(name, None)
-            else:
-                namespace[name] = value
+        finally:
+            client.restore()
+        saved = {e.name: mine.get(e.name, _MISSING) for e in earlier}
+        swapped = True
+    else:
+        namespace = _namespace(fn)
+        saved = {}
+        try:
+            if namespace is not None:
+                for e in earlier:
+                    saved[e.name] = namespace[e.name] if e.name in namespace else _MISSING
+                    namespace[e.name] = e.reference
+            try:
+                body()
+            except AssertionError as exc:
+                failure = exc
+        finally:
+            for name, value in saved.items():
+                if value is _MISSING:
+                    namespace.pop(name, None)
+                else:
+                    namespace[name] = value
+        swapped = namespace is not None
     if failure is None:
         return
-    if namespace is None:
+    if not swapped:
         raise failure
     # The learner's function may still reach their earlier one (a default argument, an alias, a shared helper).
     failing = [e for e in earlier if _learners(saved[e.name]) and not _passes(e.check, saved[e.name])]

@@ -8,15 +8,19 @@ version 1 and 2:
 3. ``load_query_group`` -- a ``@triton.jit`` function: GQA packing, the query heads of one KV head's group.
 
 A learner's ``@triton.jit`` function cannot be called from Python; it is handed to a harness kernel here as
-a ``tl.constexpr`` argument and called inside it. Each check compares with the float64 reference of
-``pagedkv.attention`` on random shapes, and turns the typical mistakes into a message that names the case,
-what was expected and what came back (via ``pagedkv.grading.checks.fail``, so the notebook's check cell and
-``pagedkv grade`` show the same text). Every kernel launch runs under a time limit.
+a ``tl.constexpr`` argument and called inside it. The launches happen in *scenarios* (the ``drive_*``
+functions, run by :func:`pagedkv.grading.checks.drive` where the learner's code lives: the sandbox under
+``pagedkv grade``, the notebook's kernel in a check cell): each receives the learner's kernel and plain inputs
+(tensors, shapes), refuses anything that is not a real Triton kernel, launches, and returns what came out
+(tensors), or a record of the launch that raised or ran too long. The checks (``check_*``) make the inputs,
+compute the float64 reference of ``pagedkv.attention`` themselves, on random shapes, and turn the typical
+mistakes into a message that names the case, what was expected and what came back (via
+``pagedkv.grading.checks.fail``, so the notebook's check cell and ``pagedkv grade`` show the same text). Every
+kernel launch runs under a time limit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
 
@@ -44,44 +48,94 @@ def _fail(message: str) -> None:
     fail(message)
 
 
-def _launch(what: str, fn, *args, **kwargs):
-    """Run a launch under a time limit; any error becomes a failure that names ``what``."""
+def _drive_timeout(launches: int) -> float:
+    """The time limit of a scenario that makes ``launches`` launches (each has its own, :data:`LAUNCH_TIMEOUT`)."""
+    return LAUNCH_TIMEOUT * launches + 30.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# what the scenarios share: the kernel's type, one launch as a record
+# ------------------------------------------------------------------------------------------------------------
+
+
+def kernel_refusal(fn) -> str | None:
+    """None when ``fn`` is a real Triton kernel: what ``@triton.jit`` makes (``JITFunction`` compiled,
+    ``InterpretedFunction`` under ``TRITON_INTERPRET=1``), with Triton's own launch and call. Otherwise what it
+    is instead (its type's name), for the refusal: an object that looks like a kernel (a ``.fn`` and ``[grid]``
+    that compute the answer in PyTorch) is not one. A scenario asks this before it launches anything."""
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        InterpretedFunction = JITFunction  # noqa: N806
+    kind = type(fn)
+    if kind is not JITFunction and kind is not InterpretedFunction:
+        return kind.__name__
+    for attr in ("run", "__getitem__", "__call__"):  # Triton's own, not replaced by the notebook
+        module = getattr(getattr(kind, attr, None), "__module__", None) or ""
+        if not module.startswith("triton."):
+            return f"{kind.__name__} whose {attr} is not Triton's"
+    if not isinstance(getattr(fn, "fn", None), types.FunctionType):
+        return f"{kind.__name__} around a {type(getattr(fn, 'fn', None)).__name__}"
+    return None
+
+
+def _attempt(launch, *args, **kwargs) -> dict | None:
+    """Run ``launch(*args, **kwargs)`` (a kernel launch) under :data:`LAUNCH_TIMEOUT`: None when it returned, else
+    a record of what went wrong (``{"timed_out": True}``, or ``{"raised": type name, "message": ...}``), as
+    data."""
     from pagedkv.grading.checks import CallTimeout, time_limit
 
     try:
-        with time_limit(LAUNCH_TIMEOUT, what):
-            return fn(*args, **kwargs)
+        with time_limit(LAUNCH_TIMEOUT, "the launch"):
+            launch(*args, **kwargs)
     except CallTimeout:
+        return {"timed_out": True}
+    except Exception as exc:  # noqa: BLE001 - the learner's error, whatever it is, is reported by the check
+        try:
+            message = str(exc)
+        except Exception:  # noqa: BLE001 - an exception whose str() raises
+            message = ""
+        return {"raised": type(exc).__name__, "message": message[:4000]}
+    return None
+
+
+def _launch_failed(what: str, record: dict) -> None:
+    """Fail with what went wrong in the launch ``record`` describes (:func:`_attempt`), if anything did."""
+    if record.get("timed_out"):
         _fail(f"{what} did not finish within {LAUNCH_TIMEOUT:g} s: is there a loop that never ends?")
-    except AssertionError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - report the learner's error, whatever it is
-        text = str(exc).strip().splitlines()
+    if "raised" in record:
+        text = str(record.get("message") or "").strip().splitlines()
         first = " ".join(text[:3])[:500] if text else ""
         stub = "NoneType" in first or "Ellipsis" in first or "ellipsis" in first
         hint = (" Is the function still the stub (...)? It must `return` what the exercise asks for."
                 if stub else "")
-        _fail(f"{what} raised {type(exc).__name__}: {first}.{hint}")
-
-
-def _kernel_type(fn) -> tuple[str, str]:
-    """The name and module of ``fn``'s type; for a handle to the grader's sandbox, those of the object there."""
-    try:
-        meta = object.__getattribute__(fn, "_pagedkv_meta")
-    except AttributeError:
-        return type(fn).__name__, type(fn).__module__
-    return str(meta.get("type")), str(meta.get("type_module") or "")
+        _fail(f"{what} raised {record['raised']}: {first}.{hint}")
 
 
 def _require_jit(fn, name: str) -> None:
-    """``fn`` is a Triton kernel: what ``@triton.jit`` makes (compiled or interpreted), not an object that looks
-    like one (a ``.fn`` and ``[grid]`` that compute the answer in PyTorch)."""
+    """Fail unless ``fn`` may be a kernel (defined, callable, not the library's): the trusted side's part of the
+    test. Whether it is a real ``@triton.jit`` kernel is asked where it lives, by the scenario
+    (:func:`kernel_refusal`), whose record :func:`_refused` reads."""
     from pagedkv.grading.checks import require_function
 
     require_function(fn, name)
-    kind, module = _kernel_type(fn)
-    if kind not in ("JITFunction", "InterpretedFunction") or not module.startswith("triton."):
-        _fail(f"{name} must be decorated with @triton.jit (it is a {kind})")
+
+
+def _refused(record, name: str) -> None:
+    """Fail if the scenario refused the learner's ``name`` (not a real Triton kernel)."""
+    if not isinstance(record, dict):
+        _fail(f"the test of {name} got {type(record).__name__} back from its scenario, expected a dict")
+    if "refused" in record:
+        _fail(f"{name} must be decorated with @triton.jit (it is a {record['refused']})")
+
+
+def _all_seen(record: dict, cases: list, name: str) -> None:
+    """After the comparisons: fail unless the scenario's record held every case (a shorter one ends with a
+    failure, which has failed the test before this)."""
+    if len(record["cases"]) != len(cases):
+        _fail(f"the test of {name} got {len(record['cases'])} of {len(cases)} cases back from its scenario")
 
 
 def _padded(t: torch.Tensor, fill: float, slack: int | None = None) -> torch.Tensor:
@@ -125,24 +179,13 @@ def _probe_all_offsets_kernel(
     tl.store(mask_out_ptr + row + t, mask.to(tl.int32))
 
 
-def _check_offsets_in_bounds(kv_block_offsets, key_cache, block_tables, seq_lens, who: str) -> None:
-    """Fail (without touching the cache) if the learner's offsets would load outside ``key_cache``."""
-    batch, max_blocks = block_tables.shape
-    _, block_size, hkv, d = key_cache.shape
-    bounds = torch.zeros(batch, max_blocks, hkv, block_size, 2, dtype=torch.int64)
-    masks = torch.zeros(batch, max_blocks, hkv, block_size, dtype=torch.int32)
-    table = _padded(block_tables, 0)
-    _launch(who, _probe_all_offsets_kernel[(batch, max_blocks, hkv)],
-            bounds, masks, table, seq_lens, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            table.stride(0), OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=d)
+def offsets_outside(bounds: torch.Tensor, masks: torch.Tensor, numel: int) -> torch.Tensor:
+    """Where ``bounds`` (lowest, highest offset of each slot's row, from :data:`_probe_all_offsets_kernel`) of a
+    slot the mask lets through lie outside a cache of ``numel`` elements: [B, max_blocks, Hkv, BLOCK_SIZE] bool.
+    A scenario asks this before it loads through the learner's offsets (a load there would read memory that is
+    not the cache, and can crash the process); the check asks it again to say where."""
     live = masks.bool()
-    outside = live & ((bounds[..., 0] < 0) | (bounds[..., 1] >= key_cache.numel()))
-    if bool(outside.any()):
-        b, j, h, t = outside.nonzero()[0].tolist()
-        _fail(f"{who}: kv_block_offsets gives addresses {bounds[b, j, h, t].tolist()} (lowest, highest) for sequence "
-              f"{b}, logical block {j}, KV head {h}, slot {t}, but the cache has only {key_cache.numel()} elements "
-              f"(shape {tuple(key_cache.shape)}, strides {key_cache.stride()[:3]}). Loading there would read memory "
-              "that is not the cache; check which stride multiplies what")
+    return live & ((bounds[..., 0] < 0) | (bounds[..., 1] >= numel))
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -206,6 +249,30 @@ def _expected_offsets(table: list[int], seq_len: int, kv_head: int, strides, blo
     return offsets, (pos < seq_len)
 
 
+def drive_offsets_probe(kv_block_offsets, cases) -> dict:
+    """Scenario: the learner's ``kv_block_offsets`` in :data:`_probe_offsets_kernel`, once per case
+    ``(block_size, head_dim, kv_head, seq_len, table, strides)``. The record: ``{"refused": type name}`` for
+    anything that is not a Triton kernel, else ``{"cases": [...]}``, each ``{"offsets": [num_j, BLOCK_SIZE,
+    HEAD_DIM] int64, "mask": [num_j, BLOCK_SIZE] int32}`` read back, or the record of a launch that failed
+    (:func:`_attempt`), the last one then."""
+    refusal = kernel_refusal(kv_block_offsets)
+    if refusal is not None:
+        return {"refused": refusal}
+    out = []
+    for block_size, head_dim, kv_head, seq_len, table, strides in cases:
+        num_j = len(table)
+        offs = torch.full((num_j, block_size, head_dim), -1, dtype=torch.int64)
+        mask = torch.full((num_j, block_size), -1, dtype=torch.int32)
+        tab = _padded(torch.tensor(table, dtype=torch.int32), 0)
+        failed = _attempt(_probe_offsets_kernel[(num_j,)], offs, mask, tab, seq_len, kv_head, *strides,
+                          OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+        if failed is not None:
+            out.append(failed)
+            break
+        out.append({"offsets": offs, "mask": mask})
+    return {"cases": out}
+
+
 def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "both") -> None:
     """Offsets and mask, read back directly, with strides and block ids large enough to overflow int32.
 
@@ -213,26 +280,30 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
     that each half of the exercise can earn its point on its own)."""
     if part not in ("both", "offsets", "mask"):
         raise ValueError(f"part must be 'both', 'offsets' or 'mask', got {part!r}")
+    from pagedkv.grading.checks import drive
+
     _require_jit(kv_block_offsets, "kv_block_offsets")
     gen = torch.Generator().manual_seed(seed)
-    cases = [
+    shapes = [
         # (block_size, head_dim, num_kv_heads, seq_len, num_j)
         (16, 64, 8, 37, 4),
         (8, 16, 2, 16, 3),
         (4, 32, 4, 1, 2),
         (16, 128, 8, 64, 5),
     ]
-    for block_size, head_dim, hkv, seq_len, num_j in cases:
+    cases = []
+    for block_size, head_dim, hkv, seq_len, num_j in shapes:
         kv_head = int(torch.randint(0, hkv, (1,), generator=gen))
         strides = (block_size * hkv * head_dim, hkv * head_dim, head_dim)
         # Block ids near 9 million: id * stride is past 2**31 for every case, so int32 arithmetic wraps around.
         table = (torch.randperm(num_j, generator=gen) * 1000 + 9_000_000).tolist()
-        offs = torch.full((num_j, block_size, head_dim), -1, dtype=torch.int64)
-        mask = torch.full((num_j, block_size), -1, dtype=torch.int32)
-        tab = _padded(torch.tensor(table, dtype=torch.int32), 0)
-        _launch(f"kv_block_offsets (block_size={block_size}, head_dim={head_dim})",
-                _probe_offsets_kernel[(num_j,)], offs, mask, tab, seq_len, kv_head, *strides,
-                OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
+        cases.append((block_size, head_dim, kv_head, seq_len, table, strides))
+    record = drive(drive_offsets_probe, kv_block_offsets, cases, timeout=_drive_timeout(len(cases)),
+                   name="kv_block_offsets")
+    _refused(record, "kv_block_offsets")
+    for (block_size, head_dim, kv_head, seq_len, table, strides), rec in zip(cases, record["cases"], strict=False):
+        _launch_failed(f"kv_block_offsets (block_size={block_size}, head_dim={head_dim})", rec)
+        offs, mask = rec["offsets"], rec["mask"]
         want_offs, want_mask = _expected_offsets(table, seq_len, kv_head, strides, block_size, head_dim)
         where = (f"with block_size={block_size}, head_dim={head_dim}, kv_head={kv_head}, seq_len={seq_len}, "
                  f"block table {table}, strides (block, token, head) = {strides}")
@@ -266,27 +337,85 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
             _fail(f"kv_block_offsets offset for logical block j={j}, slot {t}, dim {dd} is {got}, expected {want} "
                   f"(= block_table[{j}]={table[j]} * {strides[0]} + {t} * {strides[1]} + {kv_head} * {strides[2]} "
                   f"+ {dd}; {where}).{why}")
+    _all_seen(record, cases, "kv_block_offsets")
+
+
+def drive_offsets_gather(kv_block_offsets, cases) -> dict:
+    """Scenario: gather whole sequences out of a shuffled cache with the learner's ``kv_block_offsets``, once per
+    case ``(key_cache, block_tables, seq_lens)``. First the offsets alone (:data:`_probe_all_offsets_kernel`:
+    stored, nothing loaded through them), then, only when every slot the mask lets through is inside the cache,
+    the gather (:data:`_gather_kernel`). The record: ``{"refused": type name}``, or ``{"cases": [...]}``, each
+    ``{"bounds": [B, max_blocks, Hkv, BLOCK_SIZE, 2] int64, "masks": ... int32, "out": [B, max_blocks *
+    BLOCK_SIZE, Hkv, D]}`` (no ``"out"`` when the offsets point outside the cache: the last case then), or the
+    record of a launch that failed (:func:`_attempt`), the last one then."""
+    refusal = kernel_refusal(kv_block_offsets)
+    if refusal is not None:
+        return {"refused": refusal}
+    out_cases: list[dict] = []
+    for key_cache, block_tables, seq_lens in cases:
+        batch, max_blocks = block_tables.shape
+        _, block_size, hkv, d = key_cache.shape
+        bounds = torch.zeros(batch, max_blocks, hkv, block_size, 2, dtype=torch.int64)
+        masks = torch.zeros(batch, max_blocks, hkv, block_size, dtype=torch.int32)
+        table = _padded(block_tables, 0)
+        failed = _attempt(_probe_all_offsets_kernel[(batch, max_blocks, hkv)],
+                          bounds, masks, table, seq_lens.clone(), key_cache.stride(0), key_cache.stride(1),
+                          key_cache.stride(2), table.stride(0), OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size,
+                          HEAD_DIM=d)
+        if failed is not None:
+            out_cases.append(failed)
+            break
+        record: dict = {"bounds": bounds, "masks": masks}
+        out_cases.append(record)
+        if bool(offsets_outside(bounds, masks, key_cache.numel()).any()):
+            break  # loading there would read memory that is not the cache
+        kc, bt = _padded(key_cache, float("nan")), _padded(block_tables, 0)
+        out = torch.full((batch, max_blocks * block_size, hkv, d), float("nan"), dtype=key_cache.dtype)
+        failed = _attempt(_gather_kernel[(batch, max_blocks, hkv)],
+                          out, kc, bt, seq_lens.clone(), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
+                          out.stride(0), out.stride(1), out.stride(2),
+                          OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=d)
+        if failed is not None:
+            record.update(failed)
+            break
+        record["out"] = out
+    return {"cases": out_cases}
 
 
 def check_kv_block_offsets_gather(kv_block_offsets, seed: int = 0, block_sizes=(16, 8), dtype=torch.float32) -> None:
     """Use the learner's offsets to gather whole sequences out of a shuffled cache; compare with torch."""
+    from pagedkv.grading.checks import drive
+
     _require_jit(kv_block_offsets, "kv_block_offsets")
     dtype = _dtype(dtype)
     gen = torch.Generator().manual_seed(seed)
+    hkv, d = 2, 32
+    cases, all_lens = [], []
     for block_size in block_sizes:
-        hkv, d = 2, 32
         lens = [1, block_size, block_size + 1, 3 * block_size - 1] + torch.randint(1, 5 * block_size, (2,),
                                                                                    generator=gen).tolist()
         kc, vc, bt, sl = make_paged_kv(lens, hkv, d, block_size, dtype=dtype, generator=gen)
+        cases.append((kc, bt, sl))
+        all_lens.append(lens)
+    record = drive(drive_offsets_gather, kv_block_offsets, cases, timeout=_drive_timeout(2 * len(cases)),
+                   name="kv_block_offsets")
+    _refused(record, "kv_block_offsets")
+    for (kc, bt, _), lens, rec in zip(cases, all_lens, record["cases"], strict=False):
+        block_size = kc.shape[1]
         what = f"gathering with kv_block_offsets (block_size={block_size})"
-        _check_offsets_in_bounds(kv_block_offsets, kc, bt, sl, what)
-        kc, bt = _padded(kc, float("nan")), _padded(bt, 0)
+        if "bounds" not in rec:
+            _launch_failed(what, rec)
+        bounds = rec["bounds"]
+        outside = offsets_outside(bounds, rec["masks"], kc.numel())
+        if bool(outside.any()):
+            b, j, h, t = outside.nonzero()[0].tolist()
+            _fail(f"{what}: kv_block_offsets gives addresses {bounds[b, j, h, t].tolist()} (lowest, highest) for "
+                  f"sequence {b}, logical block {j}, KV head {h}, slot {t}, but the cache has only {kc.numel()} "
+                  f"elements (shape {tuple(kc.shape)}, strides {kc.stride()[:3]}). Loading there would read memory "
+                  "that is not the cache; check which stride multiplies what")
+        _launch_failed(what, rec)
         max_blocks = bt.shape[1]
-        out = torch.full((len(lens), max_blocks * block_size, hkv, d), float("nan"), dtype=dtype)
-        _launch(what, _gather_kernel[(len(lens), max_blocks, hkv)],
-                out, kc, bt, sl, kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
-                out.stride(0), out.stride(1), out.stride(2),
-                OFFSETS_FN=kv_block_offsets, BLOCK_SIZE=block_size, HEAD_DIM=d)
+        out = rec["out"]
         for b, n in enumerate(lens):
             want = torch.zeros(max_blocks * block_size, hkv, d, dtype=dtype)
             for t in range(n):
@@ -307,6 +436,7 @@ def check_kv_block_offsets_gather(kv_block_offsets, seed: int = 0, block_sizes=(
                            f"{want[t, h, :3].tolist()}...")
                 _fail(f"gathering sequence {b} (seq_len={n}, block_size={block_size}, kv head {h}, its block table "
                       f"{bt[b, : math.ceil(n / block_size)].tolist()}) with kv_block_offsets: {why}")
+    _all_seen(record, cases, "kv_block_offsets")
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -327,47 +457,43 @@ def reference_kv_block_offsets(table_row_ptr, j, seq_len, kv_head, stride_kb, st
     return offsets, mask
 
 
-def with_reference_offsets(kernel):
-    """A copy of the learner's ``paged_decode_v1_kernel`` whose ``kv_block_offsets`` is the reference one.
+def with_reference_offsets(kernel, offsets_fn=None):
+    """A copy of the learner's ``paged_decode_v1_kernel`` whose ``kv_block_offsets`` is ``offsets_fn`` (by default
+    exercise 1's answer, :func:`reference_kv_block_offsets`).
 
     The kernel's Python function is rebuilt with the same code over a copy of its globals (the notebook's
-    namespace, untouched) in which ``kv_block_offsets`` is :func:`reference_kv_block_offsets`, and jitted
-    again: the interpreter and the compiler both resolve called functions through those globals. Anything
-    that is not a ``@triton.jit`` kernel comes back as it is."""
+    namespace, untouched) in which ``kv_block_offsets`` is ``offsets_fn``, and jitted again: the interpreter and
+    the compiler both resolve called functions through those globals, and the copy, a new kernel, has a
+    compilation cache of its own (the learner's kernel, compiled with its own ``kv_block_offsets``, neither
+    serves the copy nor keeps what the copy compiled). Anything that is not a ``@triton.jit`` kernel comes back
+    as it is."""
     fn = getattr(kernel, "fn", None)
     if not isinstance(fn, types.FunctionType):
         return kernel
     namespace = dict(fn.__globals__)
-    namespace["kv_block_offsets"] = reference_kv_block_offsets
+    namespace["kv_block_offsets"] = reference_kv_block_offsets if offsets_fn is None else offsets_fn
     clone = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     clone.__qualname__, clone.__module__, clone.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
     clone.__annotations__ = dict(getattr(fn, "__annotations__", {}))
     return triton.jit(clone)
 
 
-@contextlib.contextmanager
-def reference_offsets_in(kernel, env):
-    """Under ``pagedkv grade``: while the block runs, exercise 1's answer stands in the sandbox's namespace
-    (``env``, the test's parameter: a handle to it) in place of the learner's ``kv_block_offsets``, which is
-    put back afterwards (as :func:`pagedkv.grading.lessons.depends.with_earlier_answers` does for sets 01 and
-    05). There the learner's kernel is a handle, which :func:`with_reference_offsets` cannot rebuild: it runs
-    in the sandbox and reads ``kv_block_offsets`` from that namespace. Anywhere else (the notebook, where the
-    kernel is re-jitted instead) nothing is swapped."""
-    from pagedkv.grading.lessons.depends import _is_handle
-
-    if not (_is_handle(kernel) and env is not None and _is_handle(env)):
-        yield
-        return
-    missing = "kv_block_offsets" not in env
-    saved = None if missing else env["kv_block_offsets"]
-    env["kv_block_offsets"] = reference_kv_block_offsets
-    try:
-        yield
-    finally:
-        if missing:
-            env.pop("kv_block_offsets", None)  # a handle has no del
-        else:
-            env["kv_block_offsets"] = saved
+def drive_decode_v1(kernel, query, key_cache, value_cache, block_tables, seq_lens, offsets_fn=None) -> dict:
+    """Scenario: the learner's ``paged_decode_v1_kernel`` on one batch, with ``offsets_fn`` in place of the
+    learner's ``kv_block_offsets`` (by default exercise 1's answer, :func:`reference_kv_block_offsets`, which
+    this exercise's sandbox has as the library's: :func:`with_reference_offsets`), on padded copies of the
+    inputs (what the kernel writes into them stays there). The record: ``{"refused": type name}`` for anything
+    that is not a Triton kernel, ``{"out": [B, Hq, D]}``, or the record of a launch that failed
+    (:func:`_attempt`)."""
+    refusal = kernel_refusal(kernel)
+    if refusal is not None:
+        return {"refused": refusal}
+    launched = with_reference_offsets(kernel, offsets_fn)
+    qp = _padded(query, float("nan"))
+    kcp, vcp, btp = _padded(key_cache, float("nan")), _padded(value_cache, float("nan")), _padded(block_tables, 0)
+    out = _padded(torch.full_like(query, float("nan")), float("nan"))
+    failed = _attempt(launch_learner_decode_v1, launched, qp, kcp, vcp, btp, seq_lens.clone(), out=out)
+    return failed if failed is not None else {"out": out.clone()}
 
 
 def launch_learner_decode_v1(kernel, query, key_cache, value_cache, block_tables, seq_lens, scale=None, out=None):
@@ -400,9 +526,11 @@ def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16, group: int = 2,
                     dtype=torch.float32, batch_extra: int = 2, env=None) -> None:
-    """The learner's version-1 kernel against the float64 reference on a random ragged batch. ``env``: the
-    test's namespace parameter, where exercise 1's answer goes under ``pagedkv grade``
-    (:func:`reference_offsets_in`)."""
+    """The learner's version-1 kernel against the float64 reference on a random ragged batch, run with exercise
+    1's answer in place of the learner's ``kv_block_offsets`` (:func:`drive_decode_v1`). ``env`` (the test's
+    namespace parameter) is not used: the scenario makes that swap itself."""
+    from pagedkv.grading.checks import drive
+
     _require_jit(paged_decode_v1_kernel, "paged_decode_v1_kernel")
     dtype = _dtype(dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -413,17 +541,15 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
     # past the sequence's blocks reads masked slots of valid blocks instead of memory past the table.
     kc, vc, bt, sl = make_paged_kv(lens, hkv, d, block_size, dtype=dtype, generator=gen, max_blocks=max(lens))
     q = (2.0 * torch.randn(len(lens), hkv * group, d, generator=gen)).to(dtype)  # peaky scores: the max moves
-    # The loop is judged with exercise 1's answer in place of the learner's kv_block_offsets: a mistake there
-    # is exercise 1's, and must not cost this exercise its points (nor read outside the cache).
-    kernel = with_reference_offsets(paged_decode_v1_kernel)
-    # The expected output first, and only copies for the kernel: what it writes into its inputs (seq_lens
-    # shortened to one token) cannot reach the reference.
+    # The loop is judged with exercise 1's answer in place of the learner's kv_block_offsets (the scenario's
+    # default): a mistake there is exercise 1's, and must not cost this exercise its points (nor read outside
+    # the cache). The expected output is computed here, from the check's own tensors: the kernel gets copies.
     ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)
-    kcp, vcp, btp = _padded(kc, float("nan")), _padded(vc, float("nan")), _padded(bt, 0)
-    qp = _padded(q, float("nan"))
-    out = _padded(torch.full_like(q, float("nan")), float("nan"))
-    with reference_offsets_in(kernel, env):
-        _launch("paged_decode_v1_kernel", launch_learner_decode_v1, kernel, qp, kcp, vcp, btp, sl.clone(), out=out)
+    record = drive(drive_decode_v1, paged_decode_v1_kernel, q, kc, vc, bt, sl, timeout=_drive_timeout(1),
+                   name="paged_decode_v1_kernel")
+    _refused(record, "paged_decode_v1_kernel")
+    _launch_failed("paged_decode_v1_kernel", record)
+    out = record["out"]
     err = relative_error(out, ref)
     if err < TOL[dtype]:
         return
@@ -545,30 +671,58 @@ def launch_group_decode(load_query_group, query, key_cache, value_cache, block_t
     return out
 
 
-def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num_kv_heads: int = 3) -> None:
-    """The rows the learner's load_query_group returns: which query heads, which rows are real, their values."""
-    _require_jit(load_query_group, "load_query_group")
-    gen = torch.Generator().manual_seed(seed)
-    d = 16
-    for group in groups:
-        hq = num_kv_heads * group
-        block_g = max(16, triton.next_power_of_2(group))
-        batch = 2
-        # The queries sit inside a much larger NaN-filled buffer: extra heads per row and extra rows, so an
-        # unmasked or mis-addressed load reads NaN (and is reported) instead of memory that is not there.
+def drive_query_group_probe(load_query_group, num_kv_heads: int, cases) -> dict:
+    """Scenario: the learner's ``load_query_group`` in :data:`_probe_group_kernel`, one program per KV head, once
+    per case ``(group, block_g, b, query)`` (``query`` [batch, Hq, D] float32, Hq = num_kv_heads * group). The
+    queries are put inside a much larger NaN-filled buffer: extra heads per row and extra rows, so that an
+    unmasked or mis-addressed load reads NaN instead of memory that is not there. The record: ``{"refused":
+    type name}``, or ``{"cases": [...]}``, each ``{"q": [Hkv, BLOCK_G, D], "heads": [Hkv, BLOCK_G] int32,
+    "rows": [Hkv, BLOCK_G] int32}`` read back, or the record of a launch that failed (:func:`_attempt`), the
+    last one then."""
+    refusal = kernel_refusal(load_query_group)
+    if refusal is not None:
+        return {"refused": refusal}
+    out = []
+    for group, block_g, b, query in cases:
+        batch, hq, d = query.shape
         pad_heads = (num_kv_heads + 2) * block_g
-        storage = torch.full((batch + block_g + 2, hq + pad_heads, d), float("nan"))
-        storage[:batch, :hq] = torch.randn(batch, hq, d, generator=gen)
+        storage = torch.full((batch + block_g + 2, hq + pad_heads, d), float("nan"), dtype=query.dtype)
+        storage[:batch, :hq] = query
         q = storage[:batch, :hq]
-        b = int(torch.randint(0, batch, (1,), generator=gen))
         q_out = torch.full((num_kv_heads, block_g, d), -7.0)
         heads = torch.full((num_kv_heads, block_g), -1, dtype=torch.int32)
         rows = torch.full((num_kv_heads, block_g), -1, dtype=torch.int32)
-        _launch(f"load_query_group (GROUP={group}, BLOCK_G={block_g})",
-                lambda q_out=q_out, heads=heads, rows=rows, q=q, b=b, group=group, block_g=block_g:
-                _probe_group_kernel[(num_kv_heads,)](q_out, heads, rows, q, b, q.stride(0), q.stride(1),
-                                                     LOAD_FN=load_query_group, GROUP=group, BLOCK_G=block_g,
-                                                     HEAD_DIM=d))
+        failed = _attempt(_probe_group_kernel[(num_kv_heads,)], q_out, heads, rows, q, b, q.stride(0), q.stride(1),
+                          LOAD_FN=load_query_group, GROUP=group, BLOCK_G=block_g, HEAD_DIM=d)
+        if failed is not None:
+            out.append(failed)
+            break
+        out.append({"q": q_out, "heads": heads, "rows": rows})
+    return {"cases": out}
+
+
+def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num_kv_heads: int = 3) -> None:
+    """The rows the learner's load_query_group returns: which query heads, which rows are real, their values."""
+    from pagedkv.grading.checks import drive
+
+    _require_jit(load_query_group, "load_query_group")
+    gen = torch.Generator().manual_seed(seed)
+    d = 16
+    batch = 2
+    cases = []
+    for group in groups:
+        hq = num_kv_heads * group
+        block_g = max(16, triton.next_power_of_2(group))
+        q = torch.randn(batch, hq, d, generator=gen)
+        b = int(torch.randint(0, batch, (1,), generator=gen))
+        cases.append((group, block_g, b, q))
+    record = drive(drive_query_group_probe, load_query_group, num_kv_heads, cases,
+                   timeout=_drive_timeout(len(cases)), name="load_query_group")
+    _refused(record, "load_query_group")
+    for (group, block_g, b, q), rec in zip(cases, record["cases"], strict=False):
+        hq = num_kv_heads * group
+        _launch_failed(f"load_query_group (GROUP={group}, BLOCK_G={block_g})", rec)
+        q_out, heads, rows = rec["q"], rec["heads"], rec["rows"]
         where = f"GROUP={group} (Hq={hq}, Hkv={num_kv_heads}), BLOCK_G={block_g}, sequence b={b}"
         for g in range(num_kv_heads):
             want_rows = [1 if r < group else 0 for r in range(block_g)]
@@ -607,6 +761,38 @@ def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8)
                 _fail(f"load_query_group tile row {r} for kv_head={g} ({what}) is {q_out[g, r, :3].tolist()}..., "
                       f"expected {want_q[r, :3].tolist()}... ({where}); check the sequence offset b * stride_qb and "
                       "the head offset heads * stride_qh")
+    _all_seen(record, cases, "load_query_group")
+
+
+def drive_group_decode(load_query_group, cases) -> dict:
+    """Scenario: decode version 2 (:func:`launch_group_decode`) with the learner's ``load_query_group``, once per
+    case ``(query, key_cache, value_cache, block_tables, seq_lens)``. The output and the queries live inside wider
+    buffers: the extra heads (and rows) of the output are canaries that a mis-addressed store would hit, those of
+    the queries padding that a mis-addressed load reads instead of memory that is not there. The record:
+    ``{"refused": type name}``, or ``{"cases": [...]}``, each ``{"wide": the whole output buffer
+    [B + BLOCK_G + 2, Hq + (Hkv + 2) * BLOCK_G, D]}`` (the output is its ``[:B, :Hq]``), or the record of a
+    launch that failed (:func:`_attempt`), the last one then."""
+    refusal = kernel_refusal(load_query_group)
+    if refusal is not None:
+        return {"refused": refusal}
+    out_cases = []
+    for query, key_cache, value_cache, block_tables, seq_lens in cases:
+        batch, hq, d = query.shape
+        hkv = key_cache.shape[2]
+        block_g = max(16, triton.next_power_of_2(hq // hkv))
+        pad_heads = (hkv + 2) * block_g
+        wide = torch.full((batch + block_g + 2, hq + pad_heads, d), float("nan"), dtype=query.dtype)
+        out = wide[:batch, :hq]
+        qwide = torch.zeros(batch + block_g + 2, hq + pad_heads, d, dtype=query.dtype)
+        qwide[:batch, :hq] = query
+        qv = qwide[:batch, :hq]
+        failed = _attempt(launch_group_decode, load_query_group, qv, key_cache.clone(), value_cache.clone(),
+                          block_tables.clone(), seq_lens.clone(), out)
+        if failed is not None:
+            out_cases.append(failed)
+            break
+        out_cases.append({"wide": wide})
+    return {"cases": out_cases}
 
 
 def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num_kv_heads: int = 2,
@@ -615,28 +801,31 @@ def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num
 
     The rows are probed first (:func:`check_query_group_probe`), so that a wrong head, row mask or address is
     reported as such rather than as a wrong attention output."""
+    from pagedkv.grading.checks import drive
+
     _require_jit(load_query_group, "load_query_group")
     check_query_group_probe(load_query_group, seed=seed, groups=groups, num_kv_heads=max(num_kv_heads, 1))
     dtype = _dtype(dtype)
     gen = torch.Generator().manual_seed(seed)
     block_size, d = 16, 32
+    cases, all_lens = [], []
     for group in groups:
         lens = [1, 17] + torch.randint(1, 80, (2,), generator=gen).tolist()
         kc, vc, bt, sl = make_paged_kv(lens, num_kv_heads, d, block_size, dtype=dtype, generator=gen)
+        q = torch.randn(len(lens), num_kv_heads * group, d, generator=gen).to(dtype)
+        cases.append((q, kc, vc, bt, sl))
+        all_lens.append(lens)
+    # The expected outputs are computed here, from the check's own tensors (the kernel gets copies).
+    refs = [ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64) for q, kc, vc, bt, sl in cases]
+    record = drive(drive_group_decode, load_query_group, cases, timeout=_drive_timeout(len(cases)),
+                   name="load_query_group")
+    _refused(record, "load_query_group")
+    for group, lens, (q, kc, vc, bt, sl), ref, rec in zip(groups, all_lens, cases, refs, record["cases"],
+                                                          strict=False):
         hq = num_kv_heads * group
-        q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-        # out and q live inside wider buffers: the extra heads (and rows) are canaries that a mis-addressed
-        # store would hit, and padding that a mis-addressed load reads instead of memory that is not there.
-        block_g = max(16, triton.next_power_of_2(group))
-        pad_heads = (num_kv_heads + 2) * block_g
-        wide = torch.full((len(lens) + block_g + 2, hq + pad_heads, d), float("nan"), dtype=dtype)
+        _launch_failed(f"decode version 2 with load_query_group (GROUP={group})", rec)
+        wide = rec["wide"]
         out = wide[: len(lens), :hq]
-        qwide = torch.zeros(len(lens) + block_g + 2, hq + pad_heads, d, dtype=dtype)
-        qwide[: len(lens), :hq] = q
-        qv = qwide[: len(lens), :hq]
-        ref = ref_paged_attention_decode(q, kc, vc, bt, sl, compute_dtype=torch.float64)  # before, on its own
-        _launch(f"decode version 2 with load_query_group (GROUP={group})",  # copies: the kernel's writes stay there
-                launch_group_decode, load_query_group, qv, kc.clone(), vc.clone(), bt.clone(), sl.clone(), out)
         where = f"GROUP={group}, Hq={hq}, Hkv={num_kv_heads}, seq_lens={lens}"
         canaries = torch.ones_like(wide, dtype=torch.bool)
         canaries[: len(lens), :hq] = False
@@ -660,3 +849,4 @@ def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num
             _fail(f"decode version 2 with your load_query_group: relative error {err:.3g} ({where}); first wrong: "
                   f"sequence {b}, query head {h}, got {out[b, h, :3].tolist()}..., expected {ref[b, h, :3].tolist()}..."
                   + hint)
+    _all_seen(record, cases, "load_query_group")

@@ -3,9 +3,12 @@ skips, releasing out-of-window blocks to the null block, the right-to-left prefi
 the pool is sized by, and how vLLM 0.26 groups a hybrid model's layers.
 
 Each ``check_*`` function is one test case of the set: the source's test cell calls it with the learner's
-function. The learner's code runs on the library's ``SlidingWindowManager`` and ``BlockPool``; every answer is
-compared with the library's, which behaves as vLLM 0.26 does (``./lab parity --lesson 8``), and a failure names
-the case and the rule that was broken.
+function. Three exercises take and return plain data and are called directly. ``remove_skipped_blocks`` and
+``find_longest_sliding_hit`` work on the library's ``SlidingWindowManager`` and ``BlockPool``: a scenario
+(``drive_remove_skipped``, ``drive_sliding_hit``) builds those from plain specs where the learner's code runs,
+calls it, and returns what it saw as block ids; the check runs the same scenario on the library's answer, which
+behaves as vLLM 0.26 does (``./lab parity --lesson 8``), compares, and a failure names the case and the rule that
+was broken.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv import KVCacheManager, Request
-from pagedkv.grading.checks import STUB_NOTE, describe, expect_equal, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, drive, expect_equal, fail, require_function, where
 from pagedkv.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from pagedkv.kv_cache_utils import KVCacheBlock, update_block_hashes
 from pagedkv.single_type_kv_cache_manager import SlidingWindowManager
 from pagedkv.utils import cdiv
 
@@ -104,97 +108,83 @@ def check_skipped_hidden(get_num_skipped_tokens):
 
 
 # --------------------------------------------------------------------------------------------------------
-# 2. remove_skipped_blocks
+# Scenarios: what runs where the learner's code runs (the sandbox under grading), and returns plain records
 # --------------------------------------------------------------------------------------------------------
 def sliding_manager(num_blocks: int, block_size: int, window: int, prompt_len: int, caching: bool = True):
     """A KV cache manager with one sliding-window group, one request ``"r"`` whose ``prompt_len`` tokens are
-    allocated and computed (nothing released yet), and that group's ``SlidingWindowManager``."""
+    allocated and computed (nothing released yet, every full block cached), and that group's
+    ``SlidingWindowManager``. Built from the group's own calls, as ``allocate_slots`` makes them for a first
+    chunk, not through ``allocate_slots`` itself: that first calls ``remove_skipped_blocks``, which grading hides
+    while it tests the learner's."""
     spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=window)
     m = KVCacheManager(KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["swa"], spec)]), enable_caching=caching)
     r = Request("r", list(range(prompt_len)), max_tokens=4)
-    if m.allocate_slots(r, prompt_len) is None:
+    if cdiv(prompt_len, block_size) > m.block_pool.get_num_free_blocks():
         raise AssertionError("the check's pool is too small")
+    m.coordinator.allocate_new_blocks("r", prompt_len)
+    m.req_num_tokens["r"] = prompt_len
+    if caching:
+        update_block_hashes(r, block_size, m.hash_fn)
+        m.coordinator.cache_blocks(r, prompt_len)
     r.num_computed_tokens = prompt_len
     return m, m.single_type_managers[0], r
 
 
-def _state(m) -> dict[str, Any]:
-    pool = m.block_pool
-    return {
-        "table": m.get_block_ids("r"),
-        "free queue": [b.block_id for b in pool.free_block_queue],
-        "ref_cnt": [b.ref_cnt for b in pool.blocks],
-    }
+def raised(exc: BaseException) -> dict[str, str]:
+    """A step where the learner's code raised, as data."""
+    return {"raised": type(exc).__name__, "message": str(exc), "where": where(exc)}
 
 
-def _remove_case(remove_skipped_blocks, bs: int, window: int, prompt: int, calls: list[int], what: str) -> None:
-    mine, my_swa, _ = sliding_manager(4 + cdiv(prompt, bs), bs, window, prompt)
-    ref, ref_swa, _ = sliding_manager(4 + cdiv(prompt, bs), bs, window, prompt)
-    for n in calls:
-        before = _state(mine)
-        run(remove_skipped_blocks, (my_swa, "r", n), name=f"remove_skipped_blocks(manager, 'r', {n})", timeout=5)
-        SlidingWindowManager.remove_skipped_blocks(ref_swa, "r", n)
-        got, want = _state(mine), _state(ref)
-        if got == want:
-            continue
-        head = (f"{what}: block size {bs}, window {window}, a {prompt}-token request (table {before['table']}); "
-                f"after remove_skipped_blocks(manager, 'r', {n})")  # fmt: skip
-        if got == before and want != before:
-            fail(f"{head} nothing changed (table {got['table']}), expected the table {want['table']}: is the "
-                 "function still the stub?")
-        if len(got["table"]) != len(want["table"]):
-            fail(f"{head} the table is {got['table']}, expected {want['table']}: keep the table's length, put "
-                 "manager.block_pool.null_block where a block was released (positions must still match tokens)")
-        if got["table"] == before["table"] and got["ref_cnt"] != before["ref_cnt"]:
-            fail(f"{head} the blocks went back to the pool (ref_cnt {got['ref_cnt']}) but the table is still "
-                 f"{got['table']}, expected {want['table']}: put manager.block_pool.null_block in each released "
-                 "block's place in manager.req_to_blocks[request_id]")
-        if got["table"] != want["table"]:
-            skipped = reference_skipped(n, window)
-            fail(f"{head} the table is {got['table']}, expected {want['table']}: {skipped} tokens are skipped, so "
-                 f"the first {skipped // bs} blocks (only whole blocks) are released")
-        if got["ref_cnt"] != want["ref_cnt"]:
-            fail(f"{head} the blocks' ref_cnt are {got['ref_cnt']}, expected {want['ref_cnt']}: each released block "
-                 "goes back to the pool once (manager.block_pool.free_blocks), the null block never")
-        missing = [b for b in want["free queue"] if b not in got["free queue"]]
-        if missing and got["ref_cnt"] == want["ref_cnt"]:
-            fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}: blocks {missing} "
-                 "were released but are not in it; give them back with manager.block_pool.free_blocks(blocks), "
-                 "which lowers their ref_cnt and appends them to the queue's tail")
-        if sorted(got["free queue"]) == sorted(want["free queue"]):
-            fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}: free the released "
-                 "blocks newest first (from the last released position back to 0), so the pool evicts the deepest "
-                 "of them first and keeps the prefix's root longest")
-        fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}")
+def plain_number(value: Any) -> Any:
+    """``value`` when it is a number (what a check compares), else how it reads (a string)."""
+    if isinstance(value, (int, float)) or type(value).__module__ == "numpy":
+        return value
+    return describe(value)
 
 
-def check_remove_examples(remove_skipped_blocks):
-    require_function(remove_skipped_blocks, "remove_skipped_blocks")
-    _remove_case(remove_skipped_blocks, 4, 8, 20, [20], "example")
-    _remove_case(remove_skipped_blocks, 4, 8, 20, [8], "the window still covers most of the blocks")
-    _remove_case(remove_skipped_blocks, 4, 16, 12, [12], "nothing is out of the window yet")
+def block_id_of(entry: Any) -> Any:
+    """A table entry as its block id (0: the null block); ``None`` as None, anything else as how it reads."""
+    if isinstance(entry, KVCacheBlock):
+        return entry.block_id
+    return None if entry is None else describe(entry)
 
 
-def check_remove_twice(remove_skipped_blocks):
-    """A second call releases only the blocks that fell out since the first: it stops at the first null."""
-    require_function(remove_skipped_blocks, "remove_skipped_blocks")
-    _remove_case(remove_skipped_blocks, 4, 8, 32, [16, 32], "two calls as the request advances")
-    _remove_case(remove_skipped_blocks, 2, 3, 20, [10, 10, 20], "the same call twice")
+def sliding_state(m) -> dict[str, Any]:
+    """What the remove checks compare after each call: request ``"r"``'s table in the sliding-window group
+    (block ids, 0 for the null block), the pool's free queue (block ids, head to tail) and every block's
+    ``ref_cnt``; ``{"unreadable": why}`` when the learner's code left them unreadable."""
+    try:
+        pool = m.block_pool
+        table = m.single_type_managers[0].req_to_blocks.get("r")
+        return {
+            "table": [block_id_of(b) for b in table] if isinstance(table, list) else describe(table),
+            "free queue": [b.block_id for b in pool.free_block_queue],
+            "ref_cnt": [plain_number(b.ref_cnt) for b in pool.blocks],
+        }
+    except Exception as exc:  # noqa: BLE001 - the learner's code broke the manager: said as data
+        return {"unreadable": f"{type(exc).__name__}: {exc}"}
 
 
-def check_remove_hidden(remove_skipped_blocks):
-    require_function(remove_skipped_blocks, "remove_skipped_blocks")
-    rng = random.Random(8080)
-    for _ in range(40):
-        bs, window = rng.choice([1, 2, 4, 8]), rng.randint(1, 20)
-        prompt = rng.randint(1, 60)
-        calls = sorted(rng.randint(0, prompt) for _ in range(rng.randint(1, 3)))
-        _remove_case(remove_skipped_blocks, bs, window, prompt, calls, "random case")
+def drive_remove_skipped(remove_skipped_blocks, cases) -> list[dict[str, Any]]:
+    """For each ``(block_size, window, prompt_len, calls)``: a manager from :func:`sliding_manager`, then
+    ``remove_skipped_blocks(manager, "r", n)`` for each ``n`` of ``calls``. One record per case: the state
+    before (:func:`sliding_state`) and one per call (the state after it, or :func:`raised`, which ends the
+    scenario)."""
+    records: list[dict[str, Any]] = []
+    for bs, window, prompt, calls in cases:
+        m, swa, _ = sliding_manager(4 + cdiv(prompt, bs), bs, window, prompt)
+        steps: list[dict[str, Any]] = []
+        records.append({"before": sliding_state(m), "steps": steps})
+        for n in calls:
+            try:
+                remove_skipped_blocks(swa, "r", n)
+            except Exception as exc:  # noqa: BLE001 - recorded for the check to report
+                steps.append(raised(exc))
+                return records
+            steps.append(sliding_state(m))
+    return records
 
 
-# --------------------------------------------------------------------------------------------------------
-# 3. find_longest_sliding_hit
-# --------------------------------------------------------------------------------------------------------
 def cached_pool(bs: int, window: int, num_tokens: int, evict: list[int]):
     """A pool where a ``num_tokens``-token prefix was computed and freed (every full block cached, in the free
     queue), then the blocks at table positions ``evict`` were evicted; and the prefix's block hashes."""
@@ -203,6 +193,136 @@ def cached_pool(bs: int, window: int, num_tokens: int, evict: list[int]):
     m.free(r)
     m.block_pool.evict_blocks({table[i].block_id for i in evict if i < len(table)})
     return m.block_pool, list(r.block_hashes), [b.block_id for b in table]
+
+
+def hit_record(got: Any) -> dict[str, Any]:
+    """What ``find_longest_sliding_hit`` returned, as data: ``{"blocks": ids, "length": n}`` for a pair of
+    blocks and a length, else how it reads."""
+    if not isinstance(got, tuple) or len(got) != 2:
+        return {"returned": describe(got), "none": got is None}
+    blocks, length = got
+    try:
+        ids = [b.block_id for b in blocks]
+    except (AttributeError, TypeError):
+        ids = None
+    if ids is None or not all(type(i) is int for i in ids):
+        nulls = False
+        with contextlib.suppress(Exception):
+            nulls = isinstance(blocks, list) and any(b is None for b in blocks)
+        return {"blocks_desc": describe(blocks), "nulls": nulls}
+    return {"blocks": ids, "length": plain_number(length)}
+
+
+def drive_sliding_hit(find_longest_sliding_hit, cases) -> list[dict[str, Any]]:
+    """For each ``(block_size, window, num_tokens, evict, max_length)``: a pool from :func:`cached_pool`, then
+    ``find_longest_sliding_hit(pool, hashes, max_length, window, block_size)``; one :func:`hit_record` per case
+    (a raise, :func:`raised`, ends the scenario)."""
+    records: list[dict[str, Any]] = []
+    for bs, window, num_tokens, evict, max_length in cases:
+        pool, hashes, _ = cached_pool(bs, window, num_tokens, evict)
+        try:
+            got = find_longest_sliding_hit(pool, hashes, max_length, window, bs)
+        except Exception as exc:  # noqa: BLE001 - recorded for the check to report
+            records.append(raised(exc))
+            break
+        records.append(hit_record(got))
+    return records
+
+
+# --------------------------------------------------------------------------------------------------------
+# 2. remove_skipped_blocks
+# --------------------------------------------------------------------------------------------------------
+def _remove_cases(remove_skipped_blocks, cases: list[tuple[int, int, int, list[int]]], whats: list[str],
+                  label: str) -> None:
+    """Drive the learner's function through ``cases`` (one scenario), the library's through the same, and
+    fail at the first call after which the table, free queue or ref counts differ."""
+    got = drive(drive_remove_skipped, remove_skipped_blocks, cases, timeout=5,
+                name=f"remove_skipped_blocks(manager, 'r', n) on {label}")
+    want = drive_remove_skipped(SlidingWindowManager.remove_skipped_blocks, cases)
+    for (bs, window, prompt, calls), what, mine, ref in zip(cases, whats, got, want, strict=False):
+        before = mine["before"]
+        for n, step, expected in zip(calls, mine["steps"], ref["steps"], strict=False):
+            _remove_step(step, expected, before, bs, window, prompt, n, what)
+            before = step
+
+
+def _remove_step(got: dict, want: dict, before: dict, bs: int, window: int, prompt: int, n: int, what: str) -> None:
+    call = f"remove_skipped_blocks(manager, 'r', {n})"
+    if "raised" in got:
+        fail(f"{call} raised {got['raised']}: {got['message']}{got['where']}")
+    if got == want:
+        return
+    head = (f"{what}: block size {bs}, window {window}, a {prompt}-token request (table {before['table']}); "
+            f"after {call}")  # fmt: skip
+    if "unreadable" in got:
+        fail(f"{head} the manager could not be read ({got['unreadable']}), expected the table {want['table']}")
+    if not isinstance(got["table"], list):
+        fail(f"{head} manager.req_to_blocks['r'] is {got['table']}, expected the table {want['table']}: keep the "
+             "request's list and put manager.block_pool.null_block in it where a block was released")
+    if got == before and want != before:
+        fail(f"{head} nothing changed (table {got['table']}), expected the table {want['table']}: is the "
+             "function still the stub?")
+    if len(got["table"]) != len(want["table"]):
+        fail(f"{head} the table is {got['table']}, expected {want['table']}: keep the table's length, put "
+             "manager.block_pool.null_block where a block was released (positions must still match tokens)")
+    if got["table"] == before["table"] and got["ref_cnt"] != before["ref_cnt"]:
+        fail(f"{head} the blocks went back to the pool (ref_cnt {got['ref_cnt']}) but the table is still "
+             f"{got['table']}, expected {want['table']}: put manager.block_pool.null_block in each released "
+             "block's place in manager.req_to_blocks[request_id]")
+    if got["table"] != want["table"]:
+        skipped = reference_skipped(n, window)
+        fail(f"{head} the table is {got['table']}, expected {want['table']}: {skipped} tokens are skipped, so "
+             f"the first {skipped // bs} blocks (only whole blocks) are released")
+    if got["ref_cnt"] != want["ref_cnt"]:
+        fail(f"{head} the blocks' ref_cnt are {got['ref_cnt']}, expected {want['ref_cnt']}: each released block "
+             "goes back to the pool once (manager.block_pool.free_blocks), the null block never")
+    missing = [b for b in want["free queue"] if b not in got["free queue"]]
+    if missing and got["ref_cnt"] == want["ref_cnt"]:
+        fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}: blocks {missing} "
+             "were released but are not in it; give them back with manager.block_pool.free_blocks(blocks), "
+             "which lowers their ref_cnt and appends them to the queue's tail")
+    if sorted(got["free queue"]) == sorted(want["free queue"]):
+        fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}: free the released "
+             "blocks newest first (from the last released position back to 0), so the pool evicts the deepest "
+             "of them first and keeps the prefix's root longest")
+    fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}")
+
+
+def check_remove_examples(remove_skipped_blocks):
+    require_function(remove_skipped_blocks, "remove_skipped_blocks")
+    _remove_cases(remove_skipped_blocks, [(4, 8, 20, [20]), (4, 8, 20, [8]), (4, 16, 12, [12])],
+                  ["example", "the window still covers most of the blocks", "nothing is out of the window yet"],
+                  "the examples")  # fmt: skip
+
+
+def check_remove_twice(remove_skipped_blocks):
+    """A second call releases only the blocks that fell out since the first: it stops at the first null."""
+    require_function(remove_skipped_blocks, "remove_skipped_blocks")
+    _remove_cases(remove_skipped_blocks, [(4, 8, 32, [16, 32]), (2, 3, 20, [10, 10, 20])],
+                  ["two calls as the request advances", "the same call twice"], "two requests")  # fmt: skip
+
+
+def check_remove_hidden(remove_skipped_blocks):
+    require_function(remove_skipped_blocks, "remove_skipped_blocks")
+    rng = random.Random(8080)
+    cases = []
+    for _ in range(40):
+        bs, window = rng.choice([1, 2, 4, 8]), rng.randint(1, 20)
+        prompt = rng.randint(1, 60)
+        calls = sorted(rng.randint(0, prompt) for _ in range(rng.randint(1, 3)))
+        cases.append((bs, window, prompt, calls))
+    _remove_cases(remove_skipped_blocks, cases, ["random case"] * len(cases), "40 random requests")
+
+
+# --------------------------------------------------------------------------------------------------------
+# 3. find_longest_sliding_hit
+# --------------------------------------------------------------------------------------------------------
+def _reference_hit(block_pool, block_hashes, max_length: int, sliding_window: int, block_size: int):
+    """The library's hit in the exercise's form (the trusted side's answer for :func:`drive_sliding_hit`)."""
+    spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32",
+                             sliding_window=sliding_window)
+    (blocks,), length = SlidingWindowManager.find_longest_cache_hit(block_hashes, max_length, [0], block_pool, spec)
+    return blocks, length
 
 
 def _right_to_left(pool, hashes, max_length: int, bs: int, need: int) -> list[int]:
@@ -220,33 +340,41 @@ def _right_to_left(pool, hashes, max_length: int, bs: int, need: int) -> list[in
     return ids[:run]
 
 
-def _hit_case(find_longest_sliding_hit, bs, window, num_tokens, evict, max_length, what):
-    pool, hashes, table = cached_pool(bs, window, num_tokens, evict)
-    spec = SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=window)
-    (want_blocks,), want_len = SlidingWindowManager.find_longest_cache_hit(hashes, max_length, [0], pool, spec)
-    want = [b.block_id for b in want_blocks]
+def _hit_cases(find_longest_sliding_hit, cases: list[tuple[int, int, int, list[int], int]], whats: list[str],
+               label: str) -> None:
+    """Drive the learner's function through ``cases`` (one scenario), the library's through the same, and
+    fail at the first case whose hit differs."""
+    got = drive(drive_sliding_hit, find_longest_sliding_hit, cases, timeout=5,
+                name=f"find_longest_sliding_hit(pool, hashes, ...) on {label}")
+    want = drive_sliding_hit(_reference_hit, cases)
+    for case, what, mine, ref in zip(cases, whats, got, want, strict=False):
+        _hit_case(case, what, mine, ref)
+
+
+def _hit_case(case, what: str, got: dict, want: dict) -> None:  # noqa: C901 - one hint per known mistake
+    bs, window, num_tokens, evict, max_length = case
     call = f"find_longest_sliding_hit(pool, hashes, {max_length}, {window}, {bs})"
-    got = run(find_longest_sliding_hit, (pool, hashes, max_length, window, bs), name=call, timeout=5)
-    if not isinstance(got, tuple) or len(got) != 2:
-        stub = f". {STUB_NOTE}" if got is None else ""
-        fail(f"{what}: {call} returned {describe(got)}, expected a pair (blocks, hit_length){stub}")
-    blocks, length = got
-    try:
-        ids = [b.block_id for b in blocks]
-    except (AttributeError, TypeError):
-        nulls = isinstance(blocks, list) and None in blocks
-        fail(f"{what}: {call} returned {describe(blocks)} as the blocks, expected a list of KVCacheBlock"
-             + (": put block_pool.null_block, not None, where the window does not need the block" if nulls else ""))
-    cached = [i for i in range(len(table)) if i not in evict and (i + 1) * bs <= num_tokens]
+    if "raised" in got:
+        fail(f"{call} raised {got['raised']}: {got['message']}{got['where']}")
+    if "returned" in got:
+        stub = f". {STUB_NOTE}" if got["none"] else ""
+        fail(f"{what}: {call} returned {got['returned']}, expected a pair (blocks, hit_length){stub}")
+    if "blocks_desc" in got:
+        fail(f"{what}: {call} returned {got['blocks_desc']} as the blocks, expected a list of KVCacheBlock"
+             + (": put block_pool.null_block, not None, where the window does not need the block" if got["nulls"]
+                else ""))
+    ids, length, want_ids, want_len = got["blocks"], got["length"], want["blocks"], want["length"]
+    if ids == want_ids and length == want_len:
+        return
+    cached = [i for i in range(cdiv(num_tokens, bs)) if i not in evict and (i + 1) * bs <= num_tokens]
     head = (f"{what}: block size {bs}, window {window} (a hit must end with {cdiv(window - 1, bs)} cached blocks), "
             f"positions {cached} cached, at most {max_length} tokens: {call}")  # fmt: skip
-    if ids == want and length == want_len:
-        return
+    pool, hashes, _ = cached_pool(bs, window, num_tokens, evict)  # the same pool, here, for the hints
     need = cdiv(window - 1, bs)
     for wrong_need, why in ((cdiv(window, bs), f"cdiv(sliding_window, block_size) = {cdiv(window, bs)}"),
                             ((window - 1) // bs, f"(sliding_window - 1) // block_size = {(window - 1) // bs}")):
-        if wrong_need != need and ids == _right_to_left(pool, hashes, max_length, bs, wrong_need) != want:
-            fail(f"{head} returned blocks {ids}, expected {want}: that hit ends with a run of {why} block(s); it "
+        if wrong_need != need and ids == _right_to_left(pool, hashes, max_length, bs, wrong_need) != want_ids:
+            fail(f"{head} returned blocks {ids}, expected {want_ids}: that hit ends with a run of {why} block(s); it "
                  f"must end with cdiv(sliding_window - 1, block_size) = {need}: the next token reads the "
                  "sliding_window - 1 tokens before it (and itself, not cached yet), rounded up to whole blocks")
     left = []  # full attention's hit: every block from the start
@@ -256,56 +384,58 @@ def _hit_case(find_longest_sliding_hit, bs, window, num_tokens, evict, max_lengt
             break
         left.append(block.block_id)
     if ids == left and (length == len(left) * bs):
-        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want} ({want_len} tokens): that is full "
+        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want_ids} ({want_len} tokens): that is full "
              "attention's rule (every block from the start); a sliding layer needs only the last blocks before the "
              "hit's end: scan from the right, and put pool.null_block before the run")
-    if length > max_length:
-        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want}): a hit is at most max_length "
+    if isinstance(length, (int, float)) and length > max_length:
+        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want_ids}): a hit is at most max_length "
              "tokens, so look at max_length // block_size blocks only")
-    real = [i for i in want if i != 0]
-    if ids == real and real != want:
-        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want} ({want_len} tokens): one entry per "
-             "block of the hit, from block 0 on: pool.null_block for every block before the run")
-    if ids == want and length == len(real) * bs:
-        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want}): the null blocks count too, "
+    real = [i for i in want_ids if i != 0]
+    if ids == real and real != want_ids:
+        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want_ids} ({want_len} tokens): one entry "
+             "per block of the hit, from block 0 on: pool.null_block for every block before the run")
+    if ids == want_ids and length == len(real) * bs:
+        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want_ids}): the null blocks count too, "
              "hit_length = len(blocks) * block_size (the hit covers the whole prefix up to the run's end)")
-    if not ids and want and want[0] != 0:
-        fail(f"{head} returned no hit, expected {want} ({want_len} tokens): a run shorter than "
+    if not ids and want_ids and want_ids[0] != 0:
+        fail(f"{head} returned no hit, expected {want_ids} ({want_len} tokens): a run shorter than "
              f"{need} block(s) still counts when it reaches block 0, since the window has nothing before it to read")
     if length != want_len:
-        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want})")
-    if len(ids) != len(want):
-        fail(f"{head} returned {len(ids)} blocks {ids}, expected {want}: one entry per block of the hit, "
+        fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want_ids})")
+    if len(ids) != len(want_ids):
+        fail(f"{head} returned {len(ids)} blocks {ids}, expected {want_ids}: one entry per block of the hit, "
              "pool.null_block where the window does not need the block")
-    if any(w == 0 and g != 0 for g, w in zip(ids, want, strict=True)):
-        fail(f"{head} returned blocks {ids}, expected {want}: the blocks before the run are pool.null_block (the "
+    if any(w == 0 and g != 0 for g, w in zip(ids, want_ids, strict=True)):
+        fail(f"{head} returned blocks {ids}, expected {want_ids}: the blocks before the run are pool.null_block (the "
              "window does not read them, and a sliding group may have released them)")
-    fail(f"{head} returned blocks {ids}, expected {want}")
+    fail(f"{head} returned blocks {ids}, expected {want_ids}")
 
 
 def check_hit_examples(find_longest_sliding_hit):
     require_function(find_longest_sliding_hit, "find_longest_sliding_hit")
-    _hit_case(find_longest_sliding_hit, 4, 8, 24, [], 23, "everything cached")
-    _hit_case(find_longest_sliding_hit, 4, 8, 24, [3, 5], 24, "gaps")
-    _hit_case(find_longest_sliding_hit, 4, 8, 24, [0, 1, 2], 24, "only the tail cached")
-    _hit_case(find_longest_sliding_hit, 4, 9, 24, [2, 5], 24, "a window of 9 needs cdiv(8, 4) = 2 blocks")
+    _hit_cases(find_longest_sliding_hit,
+               [(4, 8, 24, [], 23), (4, 8, 24, [3, 5], 24), (4, 8, 24, [0, 1, 2], 24), (4, 9, 24, [2, 5], 24)],
+               ["everything cached", "gaps", "only the tail cached", "a window of 9 needs cdiv(8, 4) = 2 blocks"],
+               "the examples")  # fmt: skip
 
 
 def check_hit_short_run_at_the_start(find_longest_sliding_hit):
     """A run shorter than the window needs still counts when it reaches the first block."""
     require_function(find_longest_sliding_hit, "find_longest_sliding_hit")
-    _hit_case(find_longest_sliding_hit, 4, 16, 24, [3, 4, 5], 24, "a short run at the start")
-    _hit_case(find_longest_sliding_hit, 4, 16, 24, [0, 1, 2, 3, 4, 5], 24, "nothing cached")
+    _hit_cases(find_longest_sliding_hit, [(4, 16, 24, [3, 4, 5], 24), (4, 16, 24, [0, 1, 2, 3, 4, 5], 24)],
+               ["a short run at the start", "nothing cached"], "short runs")  # fmt: skip
 
 
 def check_hit_hidden(find_longest_sliding_hit):
     require_function(find_longest_sliding_hit, "find_longest_sliding_hit")
     rng = random.Random(8081)
+    cases = []
     for _ in range(60):
         bs, window = rng.choice([1, 2, 4, 8]), rng.randint(2, 24)
         n = rng.randint(bs, 12 * bs)
         evict = [i for i in range(cdiv(n, bs)) if rng.random() < 0.3]
-        _hit_case(find_longest_sliding_hit, bs, window, n, evict, rng.randint(0, n), "random case")
+        cases.append((bs, window, n, evict, rng.randint(0, n)))
+    _hit_cases(find_longest_sliding_hit, cases, ["random case"] * len(cases), "60 random pools")
 
 
 # --------------------------------------------------------------------------------------------------------
