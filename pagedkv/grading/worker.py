@@ -262,6 +262,7 @@ class Grader:
         self.reports: dict[int, dict] = {}
         self.skip: set[int] = set()
         self.program: str | None = None  # the current exercise's kernel program (None: run the notebook's cells)
+        self.upto: int | None = None  # the last cell to run for the current exercise (None: all of them)
 
     def _report(self, number: int, original: str, **what: Any) -> None:
         if number in self.reports:
@@ -296,6 +297,8 @@ class Grader:
             _CURRENT["client"] = client
             died_at = None
             for number, source, original in self.cells:
+                if self.upto is not None and number > self.upto:
+                    break
                 if number in self.skip or not source.strip():
                     continue
                 try:
@@ -318,6 +321,16 @@ class Grader:
             self.skip.add(died_at)
             sandbox.close()
         return client
+
+    def last_cell_for(self, q: Question, names: set[str]) -> int | None:
+        """The last cell an exercise needs: its check cell (``grader.check("name")``), or a later cell that defines
+        one of the names its tests read; None when neither is found (then every cell runs). An exercise is judged
+        on the notebook as far as its own check, as its check cell judges it in a Run All: the cells below it
+        (a later exercise's set-up, a model built for it) do not slow it down or fail it."""
+        check = re.compile(r"\.check\(\s*[\"']" + re.escape(q.name) + r"[\"']")
+        found = [n for n, _, original in self.cells if check.search(original)
+                 or names & set(defined_names(original))]
+        return max(found) if found else None
 
     def grade_question(self, q: Question) -> dict:
         """Each test case against a sandbox without the exercise's reference; a case that composes the learner's
@@ -434,7 +447,11 @@ def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: 
                                           f"{', '.join(q.name for q in questions)})"}
         questions = [q for q in questions if q.name in set(only)]
     grader = Grader(cells, limits, notebook=notebook, require_sandbox=require_sandbox)
-    results = [grader.grade_question(q) for q in questions]
+    results = []
+    for i, q in enumerate(questions):  # the last one runs every cell, so that each cell's trouble is reported
+        names = {p for case in q.cases for p in inspect.signature(case.func).parameters} - {"env"}
+        grader.upto = grader.last_cell_for(q, names) if i < len(questions) - 1 else None
+        results.append(grader.grade_question(q))
     return {"ok": True, "questions": results, "cells": [grader.reports[k] for k in sorted(grader.reports)]}
 
 
