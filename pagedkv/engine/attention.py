@@ -60,9 +60,11 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] | None = None
     # The torch backend's decode rows read in place from the pool (None: through decode_groups' gathers)
     pool_decode: PoolDecode | None = None
-    # The torch backend's decode rows through the compiled CPU kernel where it serves (pagedkv.engine.cpu_kernel);
-    # False: through pool_decode or decode_groups, PyTorch's own operations
+    # The torch backend's rows through the compiled CPU kernel where it serves (pagedkv.engine.cpu_kernel): every
+    # request of the step, decode rows and prefill chunks; False: PyTorch's own operations (the decode rows through
+    # pool_decode or decode_groups, each prefill chunk gathered and attended alone)
     decode_kernel: bool = True
+    kernel_req_idx: torch.Tensor | None = None  # [B] int64: the requests the kernel attends (None: all of them)
     # The KV cache group's window when it releases the blocks behind it (a SlidingWindowSpec group: those table
     # entries are the null block), else None: the layer's own window, if any, is then only a mask
     sliding_window: int | None = None
@@ -259,8 +261,22 @@ def write_kv_torch(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """``reshape_and_cache`` in PyTorch: token t's K/V to flat slot ``slot_mapping[t]``; -1 slots skipped."""
+    """``reshape_and_cache`` on the torch backend: token t's K/V to flat slot ``slot_mapping[t]``; -1 slots skipped.
+    In one compiled call where the CPU kernels serve (``cpu_cache.c``, :mod:`pagedkv.engine.cpu_kernel`: float32
+    on a CPU, contiguous caches, ``D`` contiguous in ``key`` and ``value``), else two ``index_copy_``."""
     hkv, d = key_cache.shape[2], key_cache.shape[3]
+    t = slot_mapping.shape[0]
+    if (cpu_kernel.usable(key, key_cache) and value_cache.is_contiguous() and value.dtype == key.dtype
+            and key.shape == value.shape == (t, hkv, d) and key.stride(-1) == 1 and value.stride(-1) == 1
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        bad = cpu_kernel.load().reshape_and_cache_f32(
+            key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+            key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv, d,
+            key_cache.shape[0] * key_cache.shape[1])
+        if bad:
+            raise IndexError(f"write_kv_torch: token {bad - 1}'s slot {int(slot_mapping[bad - 1])} is outside the "
+                             f"pool's {key_cache.shape[0] * key_cache.shape[1]} slots")
+        return
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -307,12 +323,14 @@ def torch_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D]: written and returned (None: a new tensor)
 ) -> torch.Tensor:
-    """Paged attention in PyTorch for a mixed step; returns ``[T, Hq, D]``.
+    """Paged attention on the torch backend for a mixed step; returns ``[T, Hq, D]``.
 
-    Decode requests (one new token) are attended to by the compiled CPU kernel where it serves
-    (:mod:`pagedkv.engine.cpu_kernel`: float32 on a CPU, a C compiler on the machine; any block table, any
-    window). Otherwise they are read in place from the pool when the step's metadata allows it
+    Where the compiled CPU kernel serves (:mod:`pagedkv.engine.cpu_kernel`: float32 on a CPU, a C compiler on the
+    machine; any block table, any window), it attends every request of the step, decode rows and prefill chunks,
+    in one call. Otherwise, in PyTorch: decode requests (one new token) are read in place from the pool when the
+    step's metadata allows it
     (``pool_decode``, :func:`pool_decode_attention`: no block shared between two decode rows, full attention);
     otherwise they are done in a few groups of similar length: a group's blocks are gathered through the block
     table into a padded ``[Bg, max_blocks·bs, Hkv, D]`` tensor and masked at ``seq_len``.
@@ -321,17 +339,19 @@ def torch_paged_attention(
     a prefill chunk gathers no block wholly behind its first query's window (such blocks may be the null block).
     The same arithmetic as ``pagedkv.attention.ref_paged_prefill_attention``, batched.
     """
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     bs = key_cache.shape[1]
     hq, hkv, d = query.shape[1], key_cache.shape[2], key_cache.shape[3]
     groups = meta.decode_groups
     pd = meta.pool_decode
-    decodes = meta.decode_req_idx
-    if meta.decode_kernel and decodes is not None and decodes.numel() and cpu_kernel.usable(query, key_cache):
+    if meta.decode_kernel and cpu_kernel.usable(query, key_cache):  # every row, compiled
+        reqs = meta.kernel_req_idx
+        if reqs is None:
+            reqs = torch.arange(meta.num_reqs)
         cpu_kernel.decode_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, decodes, out, scale, sliding_window)  # in place, compiled
-        groups = []
-    elif pd is not None and sliding_window is None:  # the decode rows, in place
+                                    meta.query_start_loc, reqs, out, scale, sliding_window)
+        return out
+    if pd is not None and sliding_window is None:  # the decode rows, in place
         q = query.index_select(0, pd.tokens)  # [Bd, Hq, D]
         out.index_copy_(0, pd.tokens, pool_decode_attention(q, key_cache, value_cache, pd, scale))
         groups = []
@@ -437,9 +457,11 @@ def paged_attention(
     meta: AttentionMetadata | Mapping[int, AttentionMetadata],
     scale: float,
     sliding_window: int | None = None,
+    out: torch.Tensor | None = None,  # [T, Hq, D]: where the result goes (None: a new tensor)
 ) -> torch.Tensor:
     """One layer's attention over the paged cache, on the step's flattened tokens: writes the new K/V into layer
-    ``layer_idx``'s cache at ``slot_mapping``, then attends; returns ``[T, Hq, D]``. ``meta`` is one
+    ``layer_idx``'s cache at ``slot_mapping``, then attends; returns ``[T, Hq, D]`` (``out`` when given: the lab's
+    decoder passes a buffer it reuses every layer and step). ``meta`` is one
     :class:`AttentionMetadata`, or with several KV cache groups a dict from layer index to its group's (vLLM's
     ``attn_metadata[layer_name]``); ``sliding_window`` is the layer's own, and must be its group's when that group
     releases blocks. What both model paths call: transformers' modules through :func:`paged_attention_forward`,
@@ -457,10 +479,11 @@ def paged_attention(
         from pagedkv.kernels import reshape_and_cache
 
         reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, validate=False)
-        out = triton_paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+        result = triton_paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+        out = result if out is None else out.copy_(result)
     else:
         write_kv_torch(key, value, key_cache, value_cache, meta.slot_mapping)
-        out = torch_paged_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+        out = torch_paged_attention(query, key_cache, value_cache, meta, scale, sliding_window, out)
     if meta.timings is not None:
         meta.timings["attention_s"] = meta.timings.get("attention_s", 0.0) + time.perf_counter() - t0
     return out

@@ -856,6 +856,7 @@ class ModelRunner:
             backend=self.backend,
             decode_req_idx=torch.tensor(decodes, dtype=torch.long, device=dev),
             prefill_reqs=prefills,
+            kernel_req_idx=torch.arange(b_count) if kernel else None,  # the compiled kernel: every request
             pool_decode=None if pool is None else pool.to(dev),
             decode_groups=None if self.backend == "triton" or not decodes or pool is not None or kernel else [
                 g.to(dev) for g in make_decode_groups(decodes, seq_lens, tables, qsl, self.block_size,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.engine import cpu_ops
 from pagedkv.engine.sampling_params import SamplingParams
 
 
@@ -78,8 +79,10 @@ class Sampler:
         if logits.shape[0] == 0:
             return torch.empty(0, dtype=torch.long, device=logits.device)
         logits = logits.float()
-        # max(dim).indices: torch.argmax's token (ties: the first, the lowest id), about 3x faster on a CPU
-        tokens = logits.max(dim=-1).indices  # [S]
+        if cpu_ops.serves(logits) and logits.stride(-1) == 1:  # compiled: one pass, ~10x PyTorch's reduction
+            tokens = cpu_ops.argmax(logits)  # [S]
+        else:  # max(dim).indices: torch.argmax's token (ties: the first, the lowest id), about 3x faster on a CPU
+            tokens = logits.max(dim=-1).indices  # [S]
         rows = [i for i, p in enumerate(params) if p is not None and not p.is_greedy]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
