@@ -48,6 +48,15 @@ class Server:
         self.saved: dict[str, Any] = {}  # the learner's names that ``bind`` replaced, for ``restore``
 
     @staticmethod
+    def is_plain(value: Any) -> bool:
+        """Whether ``value`` can cross as it is (else the trusted side gets a description of it)."""
+        try:
+            encode(value)
+        except TypeError:
+            return False
+        return True
+
+    @staticmethod
     def describe(value: Any) -> dict:
         """What the trusted side may know of a learner's function, class or object (never the object)."""
         from pagedkv.grading.plain import _library_name
@@ -115,11 +124,8 @@ class Server:
                     out[name] = {"learner": {"kind": "namespace", "type_name": "dict"}}
                 elif name in self.ns:
                     value = self.ns[name]
-                    try:
-                        out[name] = {"value": value} if not callable(value) and encode(value) is not _MISSING \
-                            else {"learner": self.describe(value)}
-                    except TypeError:  # not plain data: the trusted side gets a description
-                        out[name] = {"learner": self.describe(value)}
+                    out[name] = {"value": value} if not callable(value) and self.is_plain(value) \
+                        else {"learner": self.describe(value)}
             return {"value": encode(out)}
         if op == "call":
             fn = self.ns.get(str(msg.get("name")))
