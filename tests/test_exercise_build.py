@@ -72,7 +72,10 @@ def test_every_exercise_is_described_and_its_reference_symbols_exist(name: str) 
         assert info["heading"] and "points)" not in info["heading"], info["heading"]
         assert "..." in info["stub"] and "# BEGIN SOLUTION" not in info["stub"]
         for symbol in info["reference"]:
-            assert _resolve(symbol) is not None, symbol
+            if "/" in symbol:  # a library file (a compiled op's source), emptied in the sandbox's copy
+                assert (ROOT / symbol).is_file(), symbol
+            else:
+                assert _resolve(symbol) is not None, symbol
 
 
 def test_a_check_names_the_exercise_and_shows_the_whole_message() -> None:

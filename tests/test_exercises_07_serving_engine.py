@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import copy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ CACHE_PARAMS = {"key_cache", "value_cache", "kv_caches", "kv_cache", "k_cache", 
                 "v_cache_ptr", "meta", "metadata", "pagedkv_metadata", "block_tables", "block_table",
                 "block_tables_ptr"}
 #: Calls that are attention: softmax, or the exponentials of an online softmax in a Triton kernel; and any
-#: function whose name says attention (transformers' sdpa_attention_forward, the compiled decode_attention_f32,
+#: function whose name says attention (transformers' sdpa_attention_forward, the compiled paged_attention_f32,
 #: lesson 6's attention; not a class such as AttentionMetadata).
 SOFTMAX = {"softmax", "scaled_dot_product_attention", "exp2", "exp"}
 #: Found by the walk but not a way to the answer, with the reason.
@@ -246,15 +248,26 @@ def test_every_route_is_a_stub_in_the_sandbox_copy(walk, tmp_path) -> None:
         assert len(body) == 1 and isinstance(body[0], ast.Raise), f"{route} is not a stub in the sandbox's copy"
 
 
-@pytest.mark.xfail(strict=True, reason="the model runner calls cpu_kernel.serves, hence load(), every step: hiding "
-                   "load would break the engine in the sandbox (a change outside set 07's files)")
-def test_the_compiled_cpu_attention_is_out_of_reach() -> None:
+def test_the_compiled_cpu_attention_is_out_of_reach(tmp_path) -> None:
     """``cpu_kernel.load()`` hands out the compiled library with its signatures set: ``lib.paged_attention_f32``
     attends every row of a step over the paged cache, called with ctypes as ``decode_attention`` does. Hiding
-    ``decode_attention`` leaves that call; ``load`` (and ``_build``, which compiles the shipped C sources) must be
-    hidden too."""
+    ``decode_attention`` leaves that call, so ``load`` and ``_build`` are hidden too, and the sandbox's copy holds
+    the attention's and the cache write's C sources empty (a learner could compile and load them with ``cc``).
+    With ``load`` hidden, ``serves`` says no: the engine keeps its PyTorch paths instead of failing."""
     hidden = _hidden("paged_attention")
-    assert {"pagedkv.engine.cpu_kernel.load", "pagedkv.engine.cpu_kernel._build"} <= hidden
+    assert {"pagedkv.engine.cpu_kernel.load", "pagedkv.engine.cpu_kernel._build",
+            "pagedkv/engine/cpu_attention.c", "pagedkv/engine/cpu_cache.c"} <= hidden
+    assert copy_library(tmp_path, sorted(hidden)) == []
+    for name in ("cpu_attention.c", "cpu_cache.c"):
+        text = (tmp_path / "pagedkv" / "engine" / name).read_text()
+        assert text.startswith("/*") and text.count("\n") == 1 and "hidden while grading" in text, name
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from pagedkv.engine import cpu_kernel\n"
+            "assert cpu_kernel.__file__.startswith(sys.argv[1]), cpu_kernel.__file__\n"
+            "assert not cpu_kernel.serves('cpu', __import__('torch').float32)\n"
+            "try:\n    cpu_kernel.load()\n"
+            "except RuntimeError as e:\n    assert 'not available while grading' in str(e)\n"
+            "else:\n    raise AssertionError('load() answered')\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)
 
 
 def test_prepare_inputs_keeps_the_engines_attention() -> None:

@@ -92,8 +92,15 @@ def load() -> ctypes.CDLL | None:
 
 
 def serves(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether the kernel serves a model on ``device`` in ``dtype``: float32 on the CPU, the kernel built."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and load() is not None
+    """Whether the kernel serves a model on ``device`` in ``dtype``: float32 on the CPU, the kernel built. ``False``
+    too while :func:`load` is hidden (grading an exercise that writes attention stubs it to raise
+    ``RuntimeError``): the engine then takes its PyTorch paths, as on a machine without a compiler."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    try:
+        return load() is not None
+    except RuntimeError:
+        return False
 
 
 def _build(cc: str, lib_path: Path) -> bool:

@@ -136,11 +136,19 @@ def _libc() -> ctypes.CDLL | None:
 def stub_symbols(package: Path, symbols: Iterable[str]) -> list[str]:
     """Rewrite, in the copy of the library at ``package`` (the ``pagedkv`` folder), the body of each named
     function or method to raise ``RuntimeError`` with :func:`hidden_message` ("your code calls the library's X,
-    which is not available while grading ... Write it yourself"). Returns the names that were not found (a
-    misspelt reference in a source notebook)."""
+    which is not available while grading ... Write it yourself"). A symbol that is a path (``pagedkv/engine/
+    cpu_attention.c``: a compiled op's source, which the learner could otherwise build and call) leaves an empty
+    file in its place. Returns the names that were not found (a misspelt reference in a source notebook)."""
     by_file: dict[Path, list[tuple[str, list[str]]]] = {}
     missing: list[str] = []
     for symbol in symbols:
+        if "/" in symbol:
+            target = package.parent / symbol
+            if symbol.startswith("pagedkv/") and ".." not in symbol and target.is_file():
+                target.write_text(f"/* {symbol}: hidden while grading */\n", encoding="utf-8")
+            else:
+                missing.append(symbol)
+            continue
         parts = symbol.split(".")
         if parts[0] != "pagedkv":
             missing.append(symbol)
