@@ -361,7 +361,7 @@ def _grade_all(tmp_path_factory) -> dict:
         "class": (_pagedkv("grade", "--class", str(klass), "--csv", str(tmp / "class.csv"), "--json",
                            str(tmp / "class.json"), "-j", "1", *long), tmp / "class.json"),
         "quick": (_pagedkv("grade", *[str(p) for p in quick.values()], "--json", str(tmp / "quick.json"),
-                           "--cell-timeout", "20", "-j", "1", *long), tmp / "quick.json"),
+                           "--cell-timeout", "20", "-j", "2", *long), tmp / "quick.json"),
         "slow": (_pagedkv("grade", str(slow), "--json", str(tmp / "slow.json"), "--case-timeout", "10", "-j", "1",
                           *long), tmp / "slow.json"),
     }
