@@ -105,7 +105,7 @@ RAISES = "def contiguous_capacity(pool_blocks, max_len, block_size):\n    return
 SYNTAX_ERROR = "def contiguous_capacity(pool_blocks, max_len, block_size):\n    blocks = -(-max_len // block_size\n" \
     "    return pool_blocks // blocks\n"
 # the answer cell loops before its def; it sleeps in the loop (the free cell beside it loops on the CPU, and a
-# second 20 s of spinning would only take a core from the rest of the suite)
+# second 10 s of spinning would only take a core from the rest of the suite)
 LOOPING_CELL = "while True:\n    __import__('time').sleep(1)\n" + GOOD["waste_percent"]
 GARBAGE = (
     "class Weird:\n"
@@ -131,7 +131,7 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
                             []),
     "kernel_exits": (GOOD, ["import os\nos._exit(3)"]),
 }
-QUICK_LIMITS = {  # graded with a 20 s cell limit (the other cells take well under a second)
+QUICK_LIMITS = {  # graded with a 10 s cell limit (the other cells take well under a second)
     "loop_in_cell": (_with(waste_percent=LOOPING_CELL), ["while True:\n    pass"]),
     "uninterruptible": (GOOD, ["import time\nwhile True:\n    try:\n        time.sleep(60)\n    except BaseException:\n"
                                "        pass"]),
@@ -361,7 +361,7 @@ def _grade_all(tmp_path_factory) -> dict:
         "class": (_pagedkv("grade", "--class", str(klass), "--csv", str(tmp / "class.csv"), "--json",
                            str(tmp / "class.json"), "-j", "1", *long), tmp / "class.json"),
         "quick": (_pagedkv("grade", *[str(p) for p in quick.values()], "--json", str(tmp / "quick.json"),
-                           "--cell-timeout", "20", "-j", "2", *long), tmp / "quick.json"),
+                           "--cell-timeout", "10", "-j", "2", *long), tmp / "quick.json"),
         "slow": (_pagedkv("grade", str(slow), "--json", str(tmp / "slow.json"), "--case-timeout", "10", "-j", "1",
                           *long), tmp / "slow.json"),
     }
@@ -554,18 +554,18 @@ def test_infinite_loop_in_a_cell_is_interrupted_named_and_the_rest_graded(graded
     answer = _cell_number(graded["variants"]["loop_in_cell"], LOOPING_CELL)
     # the notebook's row names every interrupted cell as JupyterLab shows it: its heading and first line
     assert (f'the cell under "Exercises, lesson 1: fragmentation" that starts `while True:` (cell {free}) was '
-            "interrupted after 20 s (an infinite loop?)") in nb["message"], nb["message"]
+            "interrupted after 10 s (an infinite loop?)") in nb["message"], nb["message"]
     assert (f'the cell under "4. `waste_percent(lens, block_size)`: internal fragmentation under paging" that starts '
-            f"`while True:` (cell {answer}) was interrupted after 20 s") in nb["message"], nb["message"]
+            f"`while True:` (cell {answer}) was interrupted after 10 s") in nb["message"], nb["message"]
     # the answer cell that looped before its def: its exercise says so, instead of "run the cell"
     ex = _exercise(nb, "waste_percent")
     assert ex["score"] == 0
-    assert ex["message"].endswith(f"(cell {answer}) was interrupted after 20 s (an infinite loop?)"), ex["message"]
+    assert ex["message"].endswith(f"(cell {answer}) was interrupted after 10 s (an infinite loop?)"), ex["message"]
     assert "waste_percent is not defined: the cell defining waste_percent under" in ex["message"]
     # the rest is graded
     assert all(e["status"] == "passed" for e in nb["exercises"] if e["name"] != "waste_percent")
     assert nb["score"] == nb["possible"] - ex["possible"]
-    assert "was interrupted after 20 s" in graded["quick"]["stdout"]
+    assert "was interrupted after 10 s" in graded["quick"]["stdout"]
 
 
 @pytest.mark.slow
