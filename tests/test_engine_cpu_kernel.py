@@ -55,7 +55,7 @@ def _step(seed: int, q_lens: list[int], hkv: int, g: int, d: int, bs: int, share
 @needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), q_lens=st.lists(st.sampled_from([1, 1, 1, 3]), min_size=1, max_size=7),
-       hkv=st.integers(1, 3), g=st.integers(1, 3), d=st.sampled_from([8, 16, 24, 64]),
+       hkv=st.integers(1, 3), g=st.integers(1, 3), d=st.sampled_from([8, 16, 24, 40, 64]),
        bs=st.sampled_from([1, 4, 16]), shared=st.booleans(), window=st.sampled_from([None, 1, 5, 20]))
 def test_kernel_matches_the_float64_reference(seed, q_lens, hkv, g, d, bs, shared, window):
     query, key_cache, value_cache, meta = _step(seed, q_lens, hkv, g, d, bs, shared)

@@ -11,20 +11,29 @@
  *
  * How a row is computed (each of the Hq heads; query head h*G + g reads KV head h, transformers' repeat_kv):
  *   1. scores, eight keys at a time: each key's K row (all its heads, contiguous) is read once into the cache
- *      and every head's dot product with it accumulated lane-wise; reduce8 turns the eight accumulators into
- *      eight scores (qk8);
+ *      and every head's dot product with it accumulated lane-wise; reduce8 turns eight accumulators into eight
+ *      scores. The query heads that share a KV head (grouped-query attention: G = Hq / Hkv) go two at a time
+ *      (qk4_pair): each K vector loaded once serves both heads' multiply-adds, four keys by two heads in the
+ *      eight accumulators; a head without a partner goes alone (qk8);
  *   2. the softmax's numerators with exp8 (cpu_vec.h), eight scores at a time, and their sums;
- *   3. P·V, sixteen positions at a time, two heads' 32 output values each held in eight registers (pv_pair).
+ *   3. P·V, sixteen positions at a time, two heads' 32 output values each held in eight registers (pv_pair; one
+ *      load of each V vector for both when the two heads share their KV head, pv_pair_shared).
+ * Every score and output is summed in the same order whichever of these computes it: the same bits.
  * Each position's offset in the pool is computed once per request (one division per request, not per key), and
  * each head's KV offset once per call. The inner loops are functions of their own (noinline): inlined into one
  * large function they ran short of registers and spilled their pointers to the stack on every key.
  *
  * Memory: decode attention waits on its K and V, which the rest of the step (other layers' K and V, the weights)
- * has pushed out of the caches, in 16-position blocks anywhere in the pool, where the hardware prefetcher, which
- * follows addresses in order, does not look ahead. So the kernel asks for them itself: a row's K rows PREFETCH
- * positions ahead in pass 1 (then its first V rows), its V rows ahead in pass 3, and all the while, two rows per
- * key, the next request's K and V from its first position on (Cursor), so that a request's first keys are already
- * on their way when it starts. A prefill chunk's later rows re-read keys the first row brought in: no prefetch.
+ * has pushed out of the caches, in 16-position blocks anywhere in the pool. Within a block a position's K row
+ * (Hkv·D floats) follows the previous one, so the hardware prefetcher streams a block once it has seen its first
+ * lines; what it cannot guess is where the next block lies. So the kernel asks for one line of each row PREFETCH
+ * positions ahead (K in pass 1, then the first V rows; V in pass 3): the start of every block early, the rest left
+ * to the hardware. An earlier version asked for every line of every row, and for the next request's
+ * rows as well (a cursor walking its table): on an Intel Xeon (Sapphire Rapids, 2 cores, 300 MiB L3) those
+ * prefetch instructions and the cursor's bookkeeping took more time than the waits they saved (a decode step's
+ * four layers, 64 rows of 20-263 positions: 2.05 ms with them, 1.58 ms with one line per row; 0.93 ms with every
+ * K and V already in the core's L2 cache, so the arithmetic, not the memory, is most of it). A prefill chunk's
+ * later rows re-read keys the first row brought in: no prefetch.
 
  * Layout (the engine's, pagedkv.engine.attention):
  *   query      [T, Hq, D]      element strides q_stride_t, q_stride_h (the last is 1)
@@ -43,7 +52,7 @@
 #include "cpu_vec.h"
 
 #ifndef PREFETCH
-#define PREFETCH 16  /* positions ahead (16 to 64 measured alike; none, a little slower) */
+#define PREFETCH 32  /* positions ahead (16 and 32 measured alike, 64 a little slower) */
 #endif
 
 typedef struct {
@@ -52,29 +61,6 @@ typedef struct {
     float scale;
 } Shape;
 
-static inline void prefetch_row(const float *p, int64_t floats) {  /* every 64-byte line of the row */
-    for (int64_t c = 0; c < floats; c += 16) __builtin_prefetch(p + c);
-}
-
-/* The next request's K and V rows, asked for a few at a time while this one computes (K row, V row, next
- * position): its first keys are then in the core's caches when it starts, instead of each row's first PREFETCH. */
-typedef struct {
-    const float *kc, *vc;
-    const int32_t *table;
-    int64_t pos, end, blk, in, block_size, token_stride, v_next;
-} Cursor;
-
-static inline void cursor_ahead(Cursor *c, int64_t rows) {
-    for (int64_t r = 0; r < rows && c->pos < c->end; r++) {
-        const int64_t off = ((int64_t)c->table[c->blk] * c->block_size + c->in) * c->token_stride;
-        prefetch_row((c->v_next ? c->vc : c->kc) + off, c->token_stride);
-        if (c->v_next) {
-            c->pos++;
-            if (++c->in == c->block_size) c->in = 0, c->blk++;
-        }
-        c->v_next = !c->v_next;
-    }
-}
 
 static inline float dot_any(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
@@ -95,23 +81,52 @@ static __attribute__((noinline)) void qk8(const float *qh, const float *const kp
     store8(row, reduce8(acc) * splat8(scale));
 }
 
+/* Two query heads that read the same KV head (qh0, qh1), four keys: acc[j] is head 0's lane-wise dot product with
+ * key j, acc[4 + j] head 1's, so each K vector is loaded once for two multiply-adds. reduce8 sums each accumulator
+ * as qk8 does (the same bits); its lanes 0-3 are head 0's four scores, 4-7 head 1's. */
+static __attribute__((noinline)) void qk4_pair(const float *qh0, const float *qh1, const float *const kp[4], int64_t kv,
+                                               int64_t d, float scale, float *row0, float *row1) {
+    f8v acc[8];
+    f8v q0 = load8(qh0), q1 = load8(qh1);
+    for (int j = 0; j < 4; j++) {
+        const f8v k = load8(kp[j] + kv);
+        acc[j] = q0 * k, acc[4 + j] = q1 * k;
+    }
+    for (int64_t c = 8; c < d; c += 8) {
+        q0 = load8(qh0 + c), q1 = load8(qh1 + c);
+        for (int j = 0; j < 4; j++) {
+            const f8v k = load8(kp[j] + kv + c);
+            acc[j] += q0 * k, acc[4 + j] += q1 * k;
+        }
+    }
+    const f8v r = reduce8(acc) * splat8(scale);
+    for (int j = 0; j < 4; j++) row0[j] = r[j], row1[j] = r[4 + j];
+}
+
 /* Pass 1: scores[head][t] for t < n (padded to a multiple of 8 with -inf), every head. */
 static void row_scores(const float *q, int64_t q_stride_h, const float *kc, const float *vc, const int64_t *offs,
-                       int64_t n, int64_t n_pad, int64_t ahead, const Shape *s, float *scores, Cursor *next) {
+                       int64_t n, int64_t n_pad, int64_t ahead, const Shape *s, float *scores) {
     const int64_t d = s->head_dim, vec = d % 8 == 0;
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const float *kp[8];
         for (int j = 0; j < 8; j++) kp[j] = kc + offs[t0 + j < n ? t0 + j : n - 1];
         for (int64_t u = t0 + PREFETCH; u < t0 + PREFETCH + 8 && u < ahead; u++)  /* K rows ahead, then V's first */
-            prefetch_row(u < n ? kc + offs[u] : vc + offs[u - n], s->token_stride);
-        cursor_ahead(next, 16);  /* two rows (one position's K and V) per key of this pass */
-        for (int64_t head = 0; head < s->num_heads; head++) {
+            __builtin_prefetch(u < n ? kc + offs[u] : vc + offs[u - n]);
+        for (int64_t head = 0; head < s->num_heads;) {
             const float *qh = q + head * q_stride_h;
             float *row = scores + head * n_pad + t0;
+            if (vec && head + 1 < s->num_heads && s->kv[head + 1] == s->kv[head]) {  /* two heads, one KV head */
+                float *row1 = row + n_pad;
+                qk4_pair(qh, qh + q_stride_h, kp, s->kv[head], d, s->scale, row, row1);
+                qk4_pair(qh, qh + q_stride_h, kp + 4, s->kv[head], d, s->scale, row + 4, row1 + 4);
+                head += 2;
+                continue;
+            }
             if (vec)
                 qk8(qh, kp, s->kv[head], d, s->scale, row);
             else
                 for (int j = 0; j < 8; j++) row[j] = dot_any(qh, kp[j] + s->kv[head], d) * s->scale;
+            head++;
         }
     }
     for (int64_t head = 0; head < s->num_heads; head++)
@@ -168,22 +183,50 @@ static __attribute__((noinline)) void pv_pair(float *acc0, float *acc1, const fl
     }
 }
 
+/* pv_pair for two heads that read the same KV head: each V vector loaded once for both (the same sums in the
+ * same order as pv_pair's). */
+static __attribute__((noinline)) void pv_pair_shared(float *acc0, float *acc1, const float *p0, const float *p1,
+                                                     const float *const *vp, int64_t nt, int64_t kv, int64_t d) {
+    int64_t c = 0;
+    for (; c + 32 <= d; c += 32) {
+        f8v a0 = load8(acc0 + c), a1 = load8(acc0 + c + 8), a2 = load8(acc0 + c + 16), a3 = load8(acc0 + c + 24);
+        f8v b0 = load8(acc1 + c), b1 = load8(acc1 + c + 8), b2 = load8(acc1 + c + 16), b3 = load8(acc1 + c + 24);
+        for (int64_t t = 0; t < nt; t++) {
+            const float *v = vp[t] + kv + c;
+            const f8v q0 = splat8(p0[t]), q1 = splat8(p1[t]);
+            const f8v v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+            a0 += q0 * v0, a1 += q0 * v1, a2 += q0 * v2, a3 += q0 * v3;
+            b0 += q1 * v0, b1 += q1 * v1, b2 += q1 * v2, b3 += q1 * v3;
+        }
+        store8(acc0 + c, a0), store8(acc0 + c + 8, a1), store8(acc0 + c + 16, a2), store8(acc0 + c + 24, a3);
+        store8(acc1 + c, b0), store8(acc1 + c + 8, b1), store8(acc1 + c + 16, b2), store8(acc1 + c + 24, b3);
+    }
+    if (c < d) {
+        pv_one(acc0 + c, p0, vp, nt, kv + c, d - c);
+        pv_one(acc1 + c, p1, vp, nt, kv + c, d - c);
+    }
+}
+
 /* Pass 3: out[head] = sum_t p[head][t] · V_t / sums[head], sixteen positions at a time, heads in pairs. */
 static void row_pv(const float *vc, const int64_t *offs, int64_t n, int64_t n_pad, int64_t ahead, const Shape *s,
-                   const float *probs, const float *sums, float *acc, float *out, int64_t o_stride_h, Cursor *next) {
+                   const float *probs, const float *sums, float *acc, float *out, int64_t o_stride_h) {
     const int64_t d = s->head_dim, hq = s->num_heads;
     memset(acc, 0, sizeof(float) * (size_t)(hq * d));
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t nt = t0 + 16 < n ? 16 : n - t0;
         const float *vp[16];
         for (int64_t t = 0; t < nt; t++) vp[t] = vc + offs[t0 + t];
-        for (int64_t t = t0 + PREFETCH; t < t0 + nt + PREFETCH && t < ahead; t++) prefetch_row(vc + offs[t], s->token_stride);
-        cursor_ahead(next, 32);
+        for (int64_t t = t0 + PREFETCH; t < t0 + nt + PREFETCH && t < ahead; t++) __builtin_prefetch(vc + offs[t]);
         if (d % 8 == 0) {
             int64_t head = 0;
-            for (; head + 2 <= hq; head += 2)
-                pv_pair(acc + head * d, acc + (head + 1) * d, probs + head * n_pad + t0, probs + (head + 1) * n_pad + t0,
-                        vp, nt, s->kv[head], s->kv[head + 1], d);
+            for (; head + 2 <= hq; head += 2) {
+                float *a0 = acc + head * d, *a1 = a0 + d;
+                const float *p0 = probs + head * n_pad + t0, *p1 = p0 + n_pad;
+                if (s->kv[head] == s->kv[head + 1])
+                    pv_pair_shared(a0, a1, p0, p1, vp, nt, s->kv[head], d);
+                else
+                    pv_pair(a0, a1, p0, p1, vp, nt, s->kv[head], s->kv[head + 1], d);
+            }
             if (head < hq) pv_one(acc + head * d, probs + head * n_pad + t0, vp, nt, s->kv[head], d);
         } else {
             for (int64_t head = 0; head < hq; head++) {
@@ -231,14 +274,6 @@ int64_t paged_attention_f32(const float *query, int64_t q_stride_t, int64_t q_st
             offs[pos - first] = ((int64_t)table[blk] * block_size + in) * s.token_stride;
             if (++in == block_size) in = 0, blk++;
         }
-        Cursor next = {key_cache, value_cache, block_tables, 0, 0, 0, 0, block_size, s.token_stride, 0};
-        if (i + 1 < num_reqs) {  /* the next request's blocks, if its table is sound (checked again when it runs) */
-            const int64_t b1 = req_idx[i + 1];
-            next.table = block_tables + b1 * table_stride;
-            next.end = (seq_lens[b1] + block_size - 1) / block_size <= table_width ? seq_lens[b1] : 0;
-            for (int64_t t = 0; t * block_size < next.end; t++)
-                if (next.table[t] < 0 || next.table[t] >= num_blocks) next.end = 0;
-        }
         for (int64_t j = 0; j < q_len; j++) {
             const int64_t pos = len - q_len + j;  /* the query's position: it sees keys start .. pos */
             const int64_t start = sliding_window > 0 && pos + 1 > sliding_window ? pos + 1 - sliding_window : 0;
@@ -248,9 +283,9 @@ int64_t paged_attention_f32(const float *query, int64_t q_stride_t, int64_t q_st
              * read them again, and this step's own, from the core's caches */
             const int64_t ahead = j == 0 ? n : 0;
             row_scores(query + (tok0 + j) * q_stride_t, q_stride_h, key_cache, value_cache, o, n, n_pad, 2 * ahead, &s,
-                       scores, &next);
+                       scores);
             row_softmax(scores, n_pad, num_heads, sums);
-            row_pv(value_cache, o, n, n_pad, ahead, &s, scores, sums, acc, out + (tok0 + j) * o_stride_t, o_stride_h, &next);
+            row_pv(value_cache, o, n, n_pad, ahead, &s, scores, sums, acc, out + (tok0 + j) * o_stride_t, o_stride_h);
         }
     }
     free(scores), free(acc), free(sums), free(offs), free(kv);
