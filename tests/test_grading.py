@@ -999,6 +999,27 @@ def test_plain_data_round_trips_without_pickle():
         with pytest.raises(TypeError, match="cannot be sent"):
             plain.encode(bad)
 
+    # A subclass of a plain type crosses as its plain value, read with the base type's own methods; a range as a
+    # range (what a check in the notebook would have compared).
+    import collections
+    import enum
+
+    class Sneaky(dict):
+        def items(self):
+            return [("forged", 1)]
+
+    class Colour(enum.IntEnum):
+        RED = 1
+
+    point = collections.namedtuple("point", "x y")
+    for v, want in ((collections.OrderedDict(a=1), {"a": 1}), (collections.defaultdict(list, b=[2]), {"b": [2]}),
+                    (point(1, 2), (1, 2)), (Colour.RED, 1), (Sneaky(real=2), {"real": 2}),
+                    (range(1, 9, 3), range(1, 9, 3))):
+        got = plain.decode(json.loads(json.dumps(plain.encode(v))))
+        assert got == want and type(got) is type(want), (v, got)
+    with pytest.raises(plain.ProtocolError):
+        plain.decode({"$range": [0, 5, 0]})
+
     class Liar:  # an object that says yes to every comparison never reaches a check
         def __eq__(self, other):
             return True

@@ -299,6 +299,9 @@ def test_only_plain_data_crosses_and_a_scenario_runs_beside_the_learners_code():
                 "def slot_mapping(table, positions, block_size):\n"
                 "    return [table[p // block_size] * block_size + p % block_size for p in positions]\n\n"
                 "def answer():\n    from pagedkv.fragmentation import blocks_needed\n    return blocks_needed\n\n"
+                "def heads():\n    return range(2, 4)\n\n"
+                "def metrics():\n    import collections\n    return collections.OrderedDict(ttft=0.5, n=3)\n\n"
+                "def array():\n    import numpy\n    return numpy.arange(2)\n\n"
                 "limit = 7\n")
         assert client.exec_cell(1, cell, 120) == {}
         found = client.names(["slot_mapping", "liar", "answer", "limit", "Yes", "missing"])
@@ -314,6 +317,12 @@ def test_only_plain_data_crosses_and_a_scenario_runs_beside_the_learners_code():
             liar()
         came_back = answer()
         assert isinstance(came_back, plain.LibraryName) and not callable(came_back)
+        # What a check in the notebook accepts crosses too: a range as a range, an OrderedDict as a dict; what
+        # cannot cross is said to be a returned value, not an exception the learner's code raised.
+        more = client.names(["heads", "metrics", "array"])
+        assert more["heads"]() == range(2, 4) and more["metrics"]() == {"ttft": 0.5, "n": 3}
+        with pytest.raises(AssertionError, match=r"^array\(\) returned a value the grader cannot receive: a ndarray "):
+            checks.run(more["array"], (), name="array()")
         client.end_case()
     finally:
         sandbox.close()

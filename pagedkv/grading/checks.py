@@ -293,6 +293,8 @@ def run(
     except CallTimeout:
         fail(f"{label} did not return within {timeout:g} s: is there an infinite loop?")
     except Exception as exc:
+        if type(exc).__name__ == "NotPlainResult":  # it returned, but what it returned cannot reach the grader
+            fail(f"{label} returned a value the grader cannot receive: {exc}")
         fail(f"{label} raised {type(exc).__name__}: {exc}{_where(exc)}")
 
 

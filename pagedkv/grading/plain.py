@@ -29,6 +29,7 @@ import os
 import struct
 import traceback
 import types
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["MAX_MESSAGE", "Learner", "LibraryName", "ProtocolError", "decode", "encode", "exception_info",
@@ -151,6 +152,16 @@ def resolve(name: str) -> Any:
     return obj
 
 
+#: The plain types a subclass of which crosses as the plain value, read with the base type's own methods (an
+#: override of ``items`` or ``__iter__`` changes nothing): what a check in the notebook compares it as.
+_BASES: tuple[tuple[type, Callable[[Any], Any]], ...] = (
+    (dict, lambda v: dict(dict.items(v))), (list, lambda v: list(list.__iter__(v))),
+    (tuple, lambda v: tuple(tuple.__iter__(v))), (set, lambda v: set(set.__iter__(v))),
+    (frozenset, lambda v: frozenset(frozenset.__iter__(v))), (str, str.__str__), (int, int.__int__),
+    (float, float.__float__),
+)
+
+
 def encode(value: Any, learner_names: dict[int, str] | None = None, depth: int = 0) -> Any:  # noqa: C901
     """``value`` as JSON-able plain data; ``TypeError`` naming what cannot cross. ``learner_names`` maps the
     ``id`` of a :class:`Learner` to its name (only the trusted side sends them)."""
@@ -193,8 +204,13 @@ def encode(value: Any, learner_names: dict[int, str] | None = None, depth: int =
     if name is not None and (isinstance(value, (type, types.FunctionType, enum.Enum)) or
                              type(value).__name__ in ("JITFunction", "InterpretedFunction")):
         return {"$lib": name}
+    if kind is range:
+        return {"$range": [value.start, value.stop, value.step]}
+    for base, plain_value in _BASES:  # a subclass (OrderedDict, a namedtuple, an IntEnum) crosses as its base type
+        if isinstance(value, base):
+            return encode(plain_value(value), learner_names, depth)
     raise TypeError(f"a {kind.__name__} cannot be sent between the grader and your code's process (only plain "
-                    "data: numbers, strings, lists, tuples, dicts, sets, bytes, tensors)")
+                    "data: numbers, strings, lists, tuples, dicts, sets, ranges, bytes, tensors)")
 
 
 def decode(value: Any, learner: Any = None, depth: int = 0) -> Any:  # noqa: C901
@@ -215,6 +231,8 @@ def decode(value: Any, learner: Any = None, depth: int = 0) -> Any:  # noqa: C90
         return {"$tuple": tuple, "$set": set, "$frozenset": frozenset}[tag](items)
     if tag == "$dict" and type(body) is list:
         return {decode(k, learner, depth + 1): decode(v, learner, depth + 1) for k, v in body}
+    if tag == "$range" and type(body) is list and len(body) == 3 and all(type(x) is int for x in body) and body[2]:
+        return range(*body)
     if tag == "$float" and body in ("nan", "inf", "-inf"):
         return float(body)
     if tag == "$bytes" and type(body) is str:
@@ -284,6 +302,11 @@ class LearnerError(Exception):
 
 
 _EXC_TYPES: dict[tuple[str, str], type] = {}
+
+
+class NotPlainResult(TypeError):
+    """What a call of the learner's function returned cannot cross (:func:`encode` refused it): the function
+    returned normally, so the check says "returned ..." rather than "raised"."""
 
 
 def rebuild_exception(info: dict) -> BaseException:

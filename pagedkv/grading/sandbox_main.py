@@ -28,7 +28,16 @@ import time
 import traceback
 from typing import Any
 
-from pagedkv.grading.plain import ProtocolError, decode, encode, exception_info, read_message, resolve, write_message
+from pagedkv.grading.plain import (
+    NotPlainResult,
+    ProtocolError,
+    decode,
+    encode,
+    exception_info,
+    read_message,
+    resolve,
+    write_message,
+)
 
 __all__ = ["main"]
 
@@ -133,7 +142,11 @@ class Server:
                 raise NameError(f"name {msg.get('name')!r} is not defined")
             args = decode(msg.get("args") or [], self.learner)
             kwargs = decode(msg.get("kwargs") or {"$dict": []}, self.learner)
-            return {"value": encode(fn(*args, **kwargs))}
+            result = fn(*args, **kwargs)
+            try:
+                return {"value": encode(result)}
+            except TypeError as exc:
+                raise NotPlainResult(str(exc)) from None
         if op == "drive":
             from pagedkv.grading import checks
 
