@@ -423,7 +423,7 @@ def check_hit_short_run_at_the_start(find_longest_sliding_hit):
     """A run shorter than the window needs still counts when it reaches the first block."""
     require_function(find_longest_sliding_hit, "find_longest_sliding_hit")
     _hit_cases(find_longest_sliding_hit, [(4, 16, 24, [3, 4, 5], 24), (4, 16, 24, [0, 1, 2, 3, 4, 5], 24)],
-               ["a short run at the start", "nothing cached"], "short runs")  # fmt: skip
+               ["blocks 0-2 cached, fewer than the 4 the window needs", "nothing cached"], "short runs")  # fmt: skip
 
 
 def check_hit_hidden(find_longest_sliding_hit):

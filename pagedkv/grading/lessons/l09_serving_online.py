@@ -94,12 +94,15 @@ def _expect_stop(fn: Any, args: tuple) -> None:
     message = f"{call} returned {describe(got)}, expected {describe(want)}"
     if got is None and want is not None:
         # The stub's answer too, so no mistake's hint (it would point a learner who has not started at a bug they
-        # do not have): where the match is, which is what an answer that missed it needs, then the stub's note.
+        # do not have): where the match is, which is what an answer that missed it needs, then both readings.
         text, new, _, _ = args
         at = text.find(want[0], max(0, len(text) - new - len(want[0]) + 1))
         where = ", in the old text," if at < len(text) - new else ""
+        written = ("its search starts too late: a stop string may begin in the old text" if where
+                   else "does every path end in a `return`?")
         fail(f"{message}: {want[0]!r} starts at index {at}{where} and ends in the last {new} character(s), the new "
-             f"ones, so it must be found. {STUB_NOTE}")
+             f"ones, so it must be found. If the function is still the stub (...), write it; if it is written, "
+             f"{written}")
     hints = [why for value, why in _stop_mistakes(*args) if value == got and value != want]
     if want is not None and got is not None and isinstance(got, tuple) and len(got) == 2 and got[0] == want[0]:
         if want[1] == -1:
