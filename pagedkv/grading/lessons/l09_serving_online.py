@@ -295,6 +295,8 @@ def _expect_metrics(fn: Any, args: tuple) -> None:
             hint = " Hint: ITL is the gap between consecutive chunks: one fewer than the chunks (the first is TTFT)"
         elif key == "output_len" and _close(got[key], len(times)):
             hint = " Hint: output_len counts tokens, and a chunk can carry several"
+        elif key == "itl" and not isinstance(got[key], (list, tuple)):
+            hint = f" Hint: ITL is a list of floats, not a {type(got[key]).__name__} (vllm bench serve's is a list)"
         fail(f"{call}[{key!r}] is {describe(got[key])}, expected {describe(want[key])}.{hint}")
 
 
