@@ -75,3 +75,13 @@ def test_two_mistakes_at_once_are_both_named() -> None:
     first = _first_public_failure("kv_page_bytes", both)
     assert "Hint: two things at once. First, that is half the answer" in first, first
     assert "Second, you used num_attention_heads" in first, first
+
+
+def test_auto_on_a_config_without_a_dtype_is_float32() -> None:
+    """A learner's pass found ``config.get("dtype", "float16")`` graded 10/10: no case used 'auto' on a config
+    without a dtype. Now one does, in a case of its own (the other cases still pass)."""
+    fp16 = NB.solutions["kv_page_bytes"].replace('config.get("dtype") or "float32"', 'config.get("dtype", "float16")')
+    assert fp16 != NB.solutions["kv_page_bytes"]
+    cases = _cases(NB.grade({"kv_page_bytes": fp16}, only={"kv_page_bytes"}), "kv_page_bytes")
+    failed = [msg for ok, msg in cases if not ok]
+    assert len(failed) == 1 and "no dtype in the config means float32" in failed[0], cases

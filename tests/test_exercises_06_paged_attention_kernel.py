@@ -58,7 +58,23 @@ def test_offsets_and_mask_score_apart_with_their_hints() -> None:
                                     only={"kv_block_offsets"}))["kv_block_offsets"]
     assert [ok for ok, _ in wrapped] == [False, True, False]
     message = wrapped[0][1]
-    assert "wrapped around int32" in message and message.endswith("overflow past 2**31 elements")  # whole hint
+    assert "wrapped around int32" in message and message.endswith("counted in elements, pass 2**31")  # whole hint
+    # The slot compared with seq_len, not its logical position: at seq_len 37 the block j=2 holds position 37 at
+    # slot 5, so a test of the `<=` mistake run first named that one, which the learner had not made.
+    slot_only = _by_question(NB.grade({"kv_block_offsets": _broken("kv_block_offsets", LE[0], "mask = slot < seq_len")},
+                                      only={"kv_block_offsets"}))["kv_block_offsets"]
+    assert not slot_only[1][0] and "logical position" in slot_only[1][1] and "<=" not in slot_only[1][1]
+
+
+def test_a_loop_that_misses_the_partial_block_is_named() -> None:
+    """``seq_len // BLOCK_SIZE`` iterations: a sequence shorter than a block is 0 / 0, NaN. The hint used to be
+    the softmax's NaN (exp2(-inf - (-inf))), which this kernel does right."""
+    wrong = _broken("paged_decode_v1_kernel", "range(0, tl.cdiv(seq_len, BLOCK_SIZE))",
+                    "range(0, seq_len // BLOCK_SIZE)")
+    results = _by_question(NB.grade({"paged_decode_v1_kernel": wrong}, only={"paged_decode_v1_kernel"},
+                                    public_only=True))["paged_decode_v1_kernel"]
+    assert not any(ok for ok, _ in results)
+    assert "tl.cdiv(seq_len, BLOCK_SIZE)" in results[0][1] and "exp2(-inf" not in results[0][1], results[0][1]
 
 
 def test_a_wrong_exercise_1_costs_exercise_2_nothing() -> None:

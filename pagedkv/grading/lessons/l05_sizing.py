@@ -114,8 +114,10 @@ def _page_mistakes(config: dict[str, Any], block_size: int, kv_cache_dtype: Any)
                     f"({shape.head_dim}) wins", "derived head_dim"))  # fmt: skip
     if kv_cache_dtype == "auto":
         out.append((2 * block_size * shape.num_kv_heads * shape.head_dim * 2,
-                    f"'auto' means the config's dtype ({config.get('dtype')}), not always 2 bytes",
-                    "auto"))  # fmt: skip
+                    f"'auto' means the config's dtype ({config.get('dtype')}), not always 2 bytes"
+                    if config.get("dtype") is not None else
+                    "'auto' with no dtype in the config means float32, 4 bytes (what transformers builds from such "
+                    "a config), not 2", "auto"))  # fmt: skip
     if kv_cache_dtype == "fp8":
         out.append((right * 2, "fp8 stores 1 byte per value", "fp8"))
     single = [(v, m, k) for v, m, k in out if v != right]
@@ -212,12 +214,16 @@ def check_kv_page_bytes_random(kv_page_bytes: Any) -> None:
 
 
 def check_kv_page_bytes_dtypes(kv_page_bytes: Any) -> None:
-    """Every dtype name, torch dtypes, and an unknown dtype refused (1 point)."""
+    """Every dtype name, torch dtypes, 'auto' on a config without a dtype (float32), and an unknown dtype refused
+    (1 point)."""
     require_function(kv_page_bytes, "kv_page_bytes")
     config = PUBLISHED["Llama-3.1-8B"]
     ruled_out: set[str] = set()
     for dtype in ("fp16", "bf16", "fp32", "fp8", torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn):
         _check_page(kv_page_bytes, config, 16, dtype, ruled_out)
+    no_dtype = {k: v for k, v in config.items() if k != "dtype"}
+    for without in (no_dtype, {**no_dtype, "dtype": None}):  # left out, or written as null
+        _check_page(kv_page_bytes, without, 16, "auto", ruled_out)
     for bad in ("int4", "fp4", "e4m3"):
         expect_raises(ValueError, kv_page_bytes, (dict(config), 16, bad), name="kv_page_bytes",
                       why=f"{bad!r} is not a KV cache dtype", timeout=2)  # fmt: skip

@@ -312,12 +312,12 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
             j = int((got_mask != want_mask).any(1).nonzero()[0, 0])
             why = ""
             extra = (torch.arange(block_size) + j * block_size == seq_len) & got_mask[j]
-            if bool(extra.any()):
+            if bool((got_mask[j] == (torch.arange(block_size) < seq_len)).all()) and j > 0:
+                why = (" Your mask compares the slot index with seq_len; compare the token's *logical position* "
+                       "j * BLOCK_SIZE + slot")  # before the `<=` test: slot seq_len - j·bs may be in it too
+            elif bool(extra.any()):
                 why = (f" Token {seq_len} is one past the sequence's end (positions 0..{seq_len - 1} exist): "
                        "use `<`, not `<=`")
-            elif bool((got_mask[j] == (torch.arange(block_size) < seq_len)).all()) and j > 0:
-                why = (" Your mask compares the slot index with seq_len; compare the token's *logical position* "
-                       "j * BLOCK_SIZE + slot")
             _fail(f"kv_block_offsets mask for logical block j={j} is {got_mask[j].int().tolist()}, expected "
                   f"{want_mask[j].int().tolist()} ({where}).{why}")
         if part != "mask" and not torch.equal(offs, want_offs):
@@ -328,7 +328,7 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
             wrapped = ((want + 2**31) % 2**32) - 2**31
             if got == wrapped or got < 0:
                 why = (" The value wrapped around int32: cast the block id to int64 before multiplying "
-                       "(`tl.load(...).to(tl.int64)`), or the cache's byte offsets overflow past 2**31 elements")
+                       "(`tl.load(...).to(tl.int64)`): the offsets, counted in elements, pass 2**31")
             elif got == j * strides[0] + t * strides[1] + kv_head * strides[2] + dd:
                 why = (" That is the offset of *physical* block j: look the physical block up in the block table "
                        "(`tl.load(table_row_ptr + j)`)")
@@ -562,7 +562,13 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
     single = torch.tensor([n <= block_size for n in lens])
     ragged = torch.tensor([n % block_size != 0 for n in lens])
     hint = ""
-    if torch.isnan(out).all():
+    nan_seq = torch.isnan(out.reshape(len(lens), -1)).any(1)  # [B]
+    short = torch.tensor([n < block_size for n in lens])
+    if bool(nan_seq.any()) and torch.equal(nan_seq, short) and not bool(short.all()):
+        hint = ("exactly the sequences shorter than one block are NaN: acc / l_i = 0 / 0, so the loop ran zero "
+                "times for them. The loop visits every block the sequence touches, the last one partly filled: "
+                "tl.cdiv(seq_len, BLOCK_SIZE) of them, not seq_len // BLOCK_SIZE")
+    elif torch.isnan(out).all():
         hint = ("every output is NaN: acc / l_i with l_i still 0, so the loop never added anything. Is the loop "
                 "still the stub (...)?")
     elif torch.isnan(out).any():
