@@ -336,7 +336,7 @@ def check_num_gpu_blocks_errors(num_gpu_blocks: Any) -> None:
                       why=f"gpu_memory_utilization {util} is outside (0, 1]", timeout=2)  # fmt: skip
     for i, name in enumerate(("weights", "peak_activation", "non_torch", "cudagraph"), start=2):
         args = tuple(good[:i] + [-1] + good[i + 1 :])
-        expect_raises(ValueError, num_gpu_blocks, args, name="num_gpu_blocks", why=f"a negative {name}", timeout=2)
+        expect_raises(ValueError, num_gpu_blocks, args, name="num_gpu_blocks", why=f"{name} is negative", timeout=2)
     requested = math.ceil(80 * GiB * 0.92)
     over = (80 * GiB, 0.92, requested, 1, 0, 0, 65536, 32)  # 1 byte over: nothing left for the cache
     expect_raises(ValueError, num_gpu_blocks, over, name="num_gpu_blocks",
