@@ -79,7 +79,7 @@ def choose_num_splits(
 
     ``floor_pow2(min(TARGET_PROGRAMS_PER_SM * num_sms // (batch * Hkv), tiles, MAX_SPLITS))`` with
     ``tiles = ceil(max_seq_len / tile_tokens)``, at least 1. On 132 SMs with 8 KV heads: batch 1 gets 4
-    slices at 512 tokens, 32 at 4096 and 32768; batch 8 gets 4; batch 32 and up get 1 (no split).
+    slices at 512 tokens, 32 at 4096 and 32768; batch 8 gets 4, batch 16 gets 2; batch 17 and up get 1 (no split).
 
     Mirrors: flash-attn's ``num_splits_heuristic``; vLLM 0.26's ``unified_attention`` splits the
     context into a fixed number of segments for its 3-D kernel instead.
