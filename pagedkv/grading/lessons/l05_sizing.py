@@ -225,8 +225,8 @@ def check_kv_page_bytes_dtypes(kv_page_bytes: Any) -> None:
     for without in (no_dtype, {**no_dtype, "dtype": None}):  # left out, or written as null
         _check_page(kv_page_bytes, without, 16, "auto", ruled_out)
     for bad in ("int4", "fp4", "e4m3"):
-        expect_raises(ValueError, kv_page_bytes, (dict(config), 16, bad), name="kv_page_bytes",
-                      why=f"{bad!r} is not a KV cache dtype", timeout=2)  # fmt: skip
+        expect_raises(ValueError, kv_page_bytes, (dict(config), 16, bad), name=f"kv_page_bytes({_short(config)}, "
+                      f"16, {bad!r})", why=f"{bad!r} is not a KV cache dtype", timeout=2)  # fmt: skip
 
 
 def check_kv_page_bytes_hidden(kv_page_bytes: Any) -> None:
