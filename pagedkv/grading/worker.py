@@ -172,6 +172,10 @@ class Question:
     reference: list[str] = field(default_factory=list)
     kernel: bool = False  # its stub is a @triton.jit function: graded from the notebook's kernels alone
 
+    def names(self) -> set[str]:
+        """The notebook names its tests read (their parameters, less otter's ``env``)."""
+        return {p for case in self.cases for p in inspect.signature(case.func).parameters} - {"env"}
+
 
 def load_tests(zip_path: Path) -> list[Question]:
     """The set's questions in notebook order, with their test cases (the zip's ``tests/*.py``, defined here: the
@@ -322,12 +326,13 @@ class Grader:
             sandbox.close()
         return client
 
-    def last_cell_for(self, q: Question, names: set[str]) -> int | None:
+    def last_cell_for(self, q: Question) -> int | None:
         """The last cell an exercise needs: its check cell (``grader.check("name")``), or a later cell that defines
         one of the names its tests read; None when neither is found (then every cell runs). An exercise is judged
         on the notebook as far as its own check, as its check cell judges it in a Run All: the cells below it
         (a later exercise's set-up, a model built for it) do not slow it down or fail it."""
         check = re.compile(r"\.check\(\s*[\"']" + re.escape(q.name) + r"[\"']")
+        names = q.names()
         found = [n for n, _, original in self.cells if check.search(original)
                  or names & set(defined_names(original))]
         return max(found) if found else None
@@ -338,7 +343,7 @@ class Grader:
         where that part is the library's (the part under test is a stub in both)."""
         from pagedkv.grading.kernel_source import kernel_program
 
-        wanted = sorted({p for case in q.cases for p in inspect.signature(case.func).parameters} - {"env"})
+        wanted = sorted(q.names())
         kernel = kernel_program([original for _, _, original in self.cells], wanted, kernel=q.kernel)
         if kernel is not None and kernel.problems:
             name, why = next(iter(kernel.problems.items()))
@@ -449,8 +454,7 @@ def grade(notebook: Path, autograder: Path, limits: Limits, *, require_sandbox: 
     grader = Grader(cells, limits, notebook=notebook, require_sandbox=require_sandbox)
     results = []
     for i, q in enumerate(questions):  # the last one runs every cell, so that each cell's trouble is reported
-        names = {p for case in q.cases for p in inspect.signature(case.func).parameters} - {"env"}
-        grader.upto = grader.last_cell_for(q, names) if i < len(questions) - 1 else None
+        grader.upto = grader.last_cell_for(q) if i < len(questions) - 1 else None
         results.append(grader.grade_question(q))
     return {"ok": True, "questions": results, "cells": [grader.reports[k] for k in sorted(grader.reports)]}
 
