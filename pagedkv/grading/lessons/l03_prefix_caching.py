@@ -40,6 +40,7 @@ from pagedkv.grading.checks import (
 from pagedkv.grading.plain import encode
 from pagedkv.kv_cache_utils import NONE_HASH, KVCacheBlock, builtin_hash, hash_request_tokens, sha256_hash, short_hash
 from pagedkv.shadow import ShadowKVCache
+from pagedkv.utils import is_int
 
 __all__ = [
     "check_cache_only_full_blocks",
@@ -159,7 +160,9 @@ def plain(value: Any) -> Any:
 
 
 def num(value: Any) -> Any:
-    """A number as it is (``ref_cnt``, a count), anything else as how it reads."""
+    """A number as it is (``ref_cnt``, a count; a numpy integer as its int), anything else as how it reads."""
+    if is_int(value):
+        return int(value)
     return value if type(value) in (int, float, bool) else {"$repr": describe(value)}
 
 
@@ -378,6 +381,15 @@ def _chains(hash_chain, calls):
     return results + results[-1:] * (len(calls) - len(results))
 
 
+def _variant_chain(fn, blocks, extra, first_only=False):
+    """The chain of ``blocks`` (tuples of tokens), with ``extra`` in every key or (``first_only``) block 0's only."""
+    out, parent = [], NONE_HASH
+    for i, blk in enumerate(blocks):
+        parent = fn((parent, blk, extra if i == 0 or not first_only else None))
+        out.append(parent)
+    return out
+
+
 def _expect_chain(record, tokens, bs, fn=builtin_hash, extra=None, hint=True):
     """Compare one of :func:`drive_hash_chains`' results with the library's chain of the same tokens."""
     if "value" not in record:
@@ -388,6 +400,8 @@ def _expect_chain(record, tokens, bs, fn=builtin_hash, extra=None, hint=True):
         fail(f"{label(tokens, bs, fn, extra)} returned None. {STUB_NOTE}")
     if isinstance(got, _Raw):
         fail(f"{label(tokens, bs, fn, extra)} returned {got}, expected a list of hashes")
+    if isinstance(got, tuple):  # the hashes in a tuple: the same answer
+        got = list(got)
     if not isinstance(got, list):
         fail(f"{label(tokens, bs, fn, extra)} returned a {type(got).__name__}, expected a list of hashes")
     if got == want:
@@ -411,6 +425,17 @@ def _expect_chain(record, tokens, bs, fn=builtin_hash, extra=None, hint=True):
             msg += ". extra_keys is part of every block's key: hash (parent, tokens, extra_keys)"
         elif got and got[0] == fn((NONE_HASH, blocks[0])):
             msg += ". Hash the 3-tuple (parent_hash, tuple(block_tokens), extra_keys), extra_keys included"
+        elif got and got[0] == NONE_HASH:
+            msg += (". The first hash is NONE_HASH itself: append each block's hash after computing it (NONE_HASH is "
+                    "block 0's parent, not a block's hash)")
+        elif got == _variant_chain(fn, [tuple(tokens[i * bs:(i + 1) * bs - 1]) for i in range(n_full)], extra):
+            msg += (f". Each block holds block_size = {bs} tokens, tokens[i * block_size:(i + 1) * block_size] (a "
+                    "slice's end is excluded: no - 1 there)")
+        elif extra is not None and got == _variant_chain(fn, blocks, extra, first_only=True):
+            msg += (". extra_keys went into block 0's key only: here it is part of every block's key (a cache salt "
+                    "is block 0's only, but this function's extra_keys is not a salt)")
+        elif fn is not builtin_hash and got == _variant_chain(builtin_hash, blocks, extra):
+            msg += f". Those are builtin_hash's hashes: hash with hash_fn, the argument (here {fn.__name__})"
     fail(msg)
     return got  # unreachable
 
@@ -527,6 +552,8 @@ def lookup(m, r, label) -> dict[str, Any]:
     if not (isinstance(got, tuple) and len(got) == 2):
         return {"shape": describe(got)}
     blocks, n = got
+    if isinstance(blocks, tuple):  # the blocks in a tuple: allocate_slots takes them as well as a list
+        blocks = list(blocks)
     if not isinstance(blocks, list) or not all(is_pool_block(m.block_pool, b) for b in blocks):
         return {"bad_blocks": describe(blocks)}
     after = marks(m)
@@ -642,6 +669,9 @@ def _lookup_result(record, what):
     if record["changed"]:
         fail(f"{call} changed the pool's {record['changed']}: a lookup only finds the blocks; allocate_slots "
              "takes them (touch)")
+    if type(record["n"]) is not int:
+        fail(f"{call} returned {_shown(record['n'])} as num_computed_tokens: expected an int, the tokens the blocks "
+             "hold (len(blocks) * block_size)")
     return record["ids"], record["n"]
 
 
@@ -779,6 +809,13 @@ def check_lookup_outputs_and_stats(PrefixCachingKVCacheManager):
                 hint=lambda got, n: ("the lookup covers all of the request's tokens, its outputs included "
                                      "(request.all_token_ids; update_block_hashes hashes them)")
                 if len(got) < len(want_ids) else None)
+    got, want = seen["back"]["stats"], ref["back"]["stats"]
+    if got != want:
+        names = ["requests", "queries", "hits"]
+        bad = [f"{nm} is {_shown(g)} (expected {w})" for nm, g, w in zip(names, got, want, strict=True) if g != w]
+        fail("after the lookup of a preempted request (10 prompt tokens + 9 outputs), prefix_cache_stats: "
+             f"{', '.join(bad)}. Each lookup adds 1 to requests, the request's num_tokens (its outputs included, not "
+             "only its prompt) to queries and the tokens found to hits")
 
     # counters: requests, queries (tokens looked up) and hits (tokens found)
     want = [0, 0, 0]
@@ -851,7 +888,9 @@ def expect_cached(view, hashes, want_full, what, rid, bs=4):
             if h is None:
                 fail(f"after {what}, block {_shown(bid)} (index {i} of the table of {rid!r}, tokens "
                      f"{i * bs}-{(i + 1) * bs - 1}) is full but not cached"
-                     + (". Nothing is cached at all: is _cache_blocks still the stub (...)?" if view["nothing"]
+                     + (". Nothing is cached at all: is _cache_blocks still the stub (...), or does it count the full "
+                        "blocks from something other than its num_tokens argument (allocate_slots calls it before "
+                        "request.num_computed_tokens moves)?" if view["nothing"]
                         else ""))
             if i >= len(hashes) or h != hashes[i]:
                 fail(f"after {what}, block {_shown(bid)} (index {i}) is cached under the wrong hash: it must be "
@@ -1293,7 +1332,10 @@ def check_get_new_blocks_evicts_on_reuse(EvictingBlockPool):
              "expected ValueError")
     why = diff(four["after"], four["before"])
     if why:
-        fail(f"get_new_blocks(4) with 3 free blocks raised but changed the pool first: {why}")
+        did = four["did"]
+        fail(f"get_new_blocks(4) with 3 free blocks raised {did.get('raised')} ({did.get('message')}"
+             f"{did.get('where')}) but changed the pool first: {why}. Check that enough blocks are free before "
+             "popping any")
     if _at(seen, "zero", hint=_pool_hint) != []:
         fail("get_new_blocks(0) must return []")
     rest = _at(seen, "rest", hint=_pool_hint)
@@ -1630,6 +1672,21 @@ def check_reads(view, want, bs, what):
              "its table in place of the shared block, and record the copy in manager.pending_copies")
 
 
+def _cow_missing_hint(view, rid, want, position, bs):
+    """Why a write that should have recorded the copies ``want`` recorded none (``view``: :meth:`World.view` after
+    it): the writer still holds the shared block (no private block taken), or it took one and recorded no copy."""
+    src = want[0][0]
+    table = view.get("tables", {}).get(rid) if isinstance(view, dict) else None
+    if isinstance(table, list) and src in table:
+        return (f": {rid}'s table still holds block {src}, which other branches share (ref_cnt > 1), so it wrote in "
+                f"place. A shared block that the write lands in must be copied first: the write starts at position "
+                f"{position}, in table index {position} // {bs} = {position // bs}, and every shared block from index "
+                "num_computed_tokens // block_size up to the block of the last position written needs a private block "
+                "(and a copy when it holds computed tokens). Is copy_on_write still the stub?")
+    return (": a shared block that holds computed tokens must be copied: after taking its private block, record "
+            "(src.block_id, dst.block_id) in manager.pending_copies")
+
+
 def drive_cow_parallel_sampling(copy_on_write):
     """check_cow_parallel_sampling's scenario: one 10-token prompt (blocks of 4), forked three times; the four
     branches write an output token each, three rounds (``writes``: the copies recorded and :meth:`World.view`
@@ -1687,8 +1744,7 @@ def check_cow_parallel_sampling(copy_on_write):
                          ": only the blocks the write lands in (from index num_computed_tokens // block_size) can "
                          "need a copy; the full blocks before them stay shared"
                          if isinstance(got, list) and len(got) > len(want) else
-                         (": a shared block that holds computed tokens must be copied: after taking its private "
-                          "block, record (src.block_id, dst.block_id) in manager.pending_copies") if want and not got
+                         _cow_missing_hint(writes[i], f"s{k}", want, 10 + rnd, 4) if want and not got
                          else ""))
             check_reads(writes[i], ref["writes"][i], 4,
                         f"after s{k} wrote its {nth} output token (branches s0..s3 share a 10-token prompt)")
@@ -1773,7 +1829,8 @@ def check_cow_only_what_is_written(copy_on_write):
     want, got = ref["1.p"], _at(mine, "1.p")
     if got != want:
         fail(f"p and c share block {ref['1.c_table'][1]} (tokens 4-5, ref_cnt 2); when p wrote token 6 there "
-             f"the copies recorded were {got}, expected {want}")
+             f"the copies recorded were {got}, expected {want}"
+             + (_cow_missing_hint(mine.get("1.end"), "p", want, 6, 4) if want and not got else ""))
     want, got = ref["1.c"], _at(mine, "1.c")
     if got != want:
         fail(f"after p took its copy, c is the only holder of the block (ref_cnt 1): it writes in place, with no "

@@ -72,9 +72,17 @@ class StepView:
         rid = getattr(request, "request_id", None)
         if not isinstance(request, Request):
             raise ValueError(f"step.schedule takes a Request, got {type(request).__name__}")
+        if num_new_tokens == 0 and state.token_budget == 0:
+            raise ValueError(
+                f"step.schedule({rid!r}, 0): this step's token budget is used up (step.token_budget is 0): stop "
+                "admitting once it reaches 0 (admit while step.token_budget > 0)"
+            )
         check_int(num_new_tokens, f"step.schedule({rid!r}, ...): the number of tokens", 1)
         if rid in state.num_scheduled_tokens:
-            raise ValueError(f"step.schedule({rid!r}, ...): {rid!r} is already scheduled in this step")
+            still = " and is still in scheduler.waiting: pop each admitted request from the queue (scheduler.waiting" \
+                ".pop_request() takes the head, the request peek_request() returned)" \
+                if any(r is request for r in s.waiting) else ""
+            raise ValueError(f"step.schedule({rid!r}, ...): {rid!r} is already scheduled in this step{still}")
         if num_new_tokens > state.token_budget:
             raise ValueError(
                 f"step.schedule({rid!r}, {num_new_tokens}): only {state.token_budget} tokens are left in this "
@@ -93,6 +101,12 @@ class StepView:
                 f"step.schedule({rid!r}, {num_new_tokens}): {rid!r} has {request.num_tokens} tokens and "
                 f"num_computed_tokens={request.num_computed_tokens}, so at most "
                 f"{request.num_tokens - request.num_computed_tokens} can be scheduled"
+            )
+        if table is None:
+            raise ValueError(
+                f"step.schedule({rid!r}, {num_new_tokens}): {rid!r} holds no blocks. Did allocate_slots return None "
+                "for it? Then it does not fit, and admission stops there (first come, first served): it stays "
+                "waiting. Otherwise call allocate_slots (with its cache hits) before step.schedule"
             )
         if table is None or len(table) * manager.block_size < end:
             have = 0 if table is None else len(table) * manager.block_size
@@ -380,6 +394,8 @@ def drive_serve(spec: dict[str, Any], schedule_waiting: Any = None, select_victi
                               for rid in rec["preempted"] if isinstance(rid, str)}
             rec["waiting_mid"] = request_ids(scheduler.waiting)
             rec["running_mid"] = request_ids(scheduler.running)
+            rec["status_mid"] = {plain_value(r.request_id): _status(r.status) for r in scheduler.running
+                                 if isinstance(r, Request)}
             rec["free_mid"] = plain_value(manager.get_num_free_blocks())
             rec["num_tokens"] = {r.request_id: plain_value(r.num_tokens) for r in scheduler.waiting
                                  if isinstance(r, Request)}
@@ -405,6 +421,10 @@ def drive_serve(spec: dict[str, Any], schedule_waiting: Any = None, select_victi
             break
     record["outputs"] = {rid: _tokens(r.output_token_ids) for rid, r in reqs.items()}
     return record
+
+
+def _status(status: Any) -> str:
+    return status.name if isinstance(status, RequestStatus) else f"<{describe(status, 60)}>"
 
 
 def _tokens(tokens: Any) -> Any:
@@ -587,6 +607,12 @@ def _compare_step(step: int, mine: dict, ref: dict, cfg: dict) -> None:
             f"step {step}: requests scheduled in the order {list(my_sched)}, expected {list(ref_sched)} (running "
             "requests first, then the admitted ones in queue order)"
         )
+    for rid, status in mine.get("status_mid", {}).items():
+        if status != ref.get("status_mid", {}).get(rid, status):
+            fail(
+                f"step {step}: {rid!r} is in scheduler.running with status {status}, expected "
+                f"{ref['status_mid'][rid]}: on admission set request.status = RequestStatus.RUNNING"
+            )
     both = set(mine["running_mid"]) & set(mine["waiting_mid"])
     if both:
         fail(
@@ -772,6 +798,15 @@ def check_select_victim_cases(select_victim: Callable, cases: Sequence[tuple[Seq
         if policy == "fcfs" and victim == specs[0][0]:
             hint = (" That is the oldest running request; FCFS preempts the newest (the last in `running`): it has "
                     "the least work invested, and the oldest keep making progress.")
+        elif policy == "fcfs":
+            latest = max(specs, key=lambda r: r[2])[0]
+            prio = expected_victim([Request(rid, [1], priority=p, arrival_time=t) for rid, p, t in specs],
+                                   "priority").request_id
+            said = [what for what, who in (("the latest arrival", latest), ("the priority rule's victim", prio))
+                    if who == victim]
+            hint = (f" {victim!r} is {' and '.join(said) if said else 'not the last in running'}; FCFS preempts the "
+                    "last request in `running` (the newest admitted: after preemptions, admission order is not "
+                    "arrival order), whatever the priorities and arrival times.")
         elif policy == "priority":
             if priority[victim] < max(priority.values()):
                 hint = (f" {victim!r} has priority {priority[victim]}, but {want!r} has "
