@@ -17,7 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.grading.checks import expect_equal, expect_raises, fail, require_function, run
+from pagedkv.grading.checks import (
+    describe,
+    drive,
+    expect_equal,
+    expect_raises,
+    fail,
+    format_call,
+    require_function,
+    where,
+)
 from pagedkv.grading.lessons.depends import Earlier, with_earlier_answers
 
 __all__ = [
@@ -35,6 +44,7 @@ __all__ = [
     "check_paged_admission_skip",
     "check_waste_percent_examples",
     "check_waste_percent_hidden",
+    "drive_paged_admission_keeps_lens",
     "reference_blocks_needed",
 ]
 
@@ -161,13 +171,35 @@ def check_paged_admission_errors(paged_admission: Any) -> None:
                   why="a negative pool", timeout=2)
     expect_raises(ValueError, paged_admission, ([40], 128, 0, "fcfs"), name="paged_admission",
                   why="block_size 0", timeout=2)
-    lens = list(SEED_LENS)
-    run(paged_admission, (lens, 100, 16, "skip"), name="paged_admission", timeout=2)
-    if lens != SEED_LENS:
-        fail(f"paged_admission changed its argument lens: {SEED_LENS} became {lens}")
+    expect_raises(ValueError, paged_admission, ([300, -1], 1, 16, "fcfs"), name="paged_admission",
+                  why="a negative length, after the sequence where FCFS stops: check every length before "
+                      "admitting any", timeout=2)
+    # The call runs where the learner's code runs (the sandbox under grading), so that a change to the list it
+    # was given is seen there: under grading only a copy of the arguments reaches the learner's code.
+    seen = drive(drive_paged_admission_keeps_lens, paged_admission, list(SEED_LENS), 100, 16, "skip", timeout=2,
+                 name=format_call("paged_admission", (list(SEED_LENS), 100, 16, "skip")))
+    if "raised" in seen:
+        fail(f"{seen['label']} raised {seen['raised']}: {seen['message']}{seen['where']}")
+    if seen["lens"] != SEED_LENS:
+        fail(f"paged_admission changed its argument lens: {SEED_LENS} became {seen['lens']}. Hint: read lens, do "
+             "not write into it (make a list of your own for the blocks each sequence needs)")
+    _expect(paged_admission, SEED_LENS, 100, 16, "skip")  # a wrong list answer is named before the tuple's
     expect_equal(paged_admission, (tuple(SEED_LENS), 100, 16, "skip"), admitted(SEED_LENS, 100, 16, "skip"),
                  name="paged_admission", timeout=2,
                  hint="lens may be any sequence, a tuple too: read it, do not call list methods on it")
+
+
+def drive_paged_admission_keeps_lens(paged_admission: Any, lens: list[int], pool_blocks: int, block_size: int,
+                                     policy: str) -> dict[str, Any]:
+    """``paged_admission(lens, ...)`` where the learner's code runs: the list ``lens`` after the call, and what
+    the call raised (``raised``, ``message``, ``where``) if it did. Computes no answer."""
+    label = format_call("paged_admission", (list(lens), pool_blocks, block_size, policy))
+    try:
+        paged_admission(lens, pool_blocks, block_size, policy)
+    except Exception as exc:  # noqa: BLE001 - recorded for the check to report
+        return {"label": label, "raised": type(exc).__name__, "message": str(exc), "where": where(exc),
+                "lens": list(lens)}
+    return {"label": label, "lens": list(lens)}
 
 
 @_uses_blocks_needed("paged_admission")
@@ -245,10 +277,17 @@ def check_contiguous_capacity_examples(contiguous_capacity):
     def hint(pool, max_len, b):
         per_seq = -(-max_len // b)
         def explain(got):
-            if max_len % b and per_seq > 1 and got == pool // (max_len // b):
+            if isinstance(got, float) and got == pool // per_seq:
+                return "a number of sequences is an int: divide with //, not /"
+            floored = max_len % b and per_seq > 1 and got == pool // (max_len // b)
+            tokens = got == pool * b // max_len
+            if floored and tokens:  # both mistakes give this count: name both
+                return (f"each sequence reserves ceil({max_len} / {b}) = {per_seq} whole blocks, not "
+                        f"{max_len // b} (nor {max_len} / {b} = {max_len / b:g} in tokens): round up")
+            if floored:
                 return (f"each sequence reserves ceil({max_len} / {b}) = {per_seq} blocks, not "
                         f"{max_len // b}: round up")
-            if got == pool * b // max_len:
+            if tokens:
                 return f"count whole blocks per sequence ({per_seq}), not tokens: a reservation is whole blocks"
             return f"each sequence reserves {per_seq} blocks; {pool} blocks hold {pool // per_seq} of them"
         return explain
@@ -281,6 +320,9 @@ def check_waste_percent_examples(waste_percent):
 
     def hint(lens, b):
         reserved, used = sum(-(-n // b) * b for n in lens), sum(lens)
+        want = waste_reference(lens, b)
+        nonempty = [n for n in lens if n]
+        mean = sum(waste_reference([n], b) for n in nonempty) / len(nonempty) if nonempty else None
         def explain(got):
             if not isinstance(got, (int, float)) or reserved == 0:
                 return None
@@ -288,6 +330,14 @@ def check_waste_percent_examples(waste_percent):
                 return "that is a fraction: return a percentage (multiply by 100)"
             if used and abs(got - 100.0 * (reserved - used) / used) < 1e-6:
                 return f"divide by the reserved slots ({reserved}), not by the tokens used ({used})"
+            if got == 100 * (reserved - used) // reserved:
+                return f"that is 100 * {reserved - used} // {reserved}, rounded down: divide with /, not //"
+            if any(got == round(want, digits) for digits in range(4)):
+                return (f"that is {describe(want)} rounded: return the exact percentage (the text rounds it only "
+                        "to print it)")
+            if len(nonempty) > 1 and abs(got - mean) < 1e-6:
+                return ("that is the mean of each sequence's percentage: add up the slots of all sequences first "
+                        f"({reserved - used} unused of {reserved} reserved), then take the percentage once")
             return f"{reserved} slots reserved, {used} used"
         return explain
 
