@@ -664,7 +664,9 @@ def _unpack(records: list[dict[str, Any]], pool: bool = False, memo: dict | None
 
     def read(holder: dict[str, Any]) -> None:
         text = holder.get("state")
-        if isinstance(text, str):
+        if isinstance(text, str) and len(text) > STATE_LIMIT and text not in memo:  # never what pack writes
+            holder["state"] = {"unreadable": f"a state of {len(text)} characters, not what the scenario writes"}
+        elif isinstance(text, str):
             if text not in memo:
                 state = json.loads(text)
                 if pool and isinstance(state, list):
@@ -682,6 +684,24 @@ def _unpack(records: list[dict[str, Any]], pool: bool = False, memo: dict | None
 
 _REFERENCE_RECORDS: dict[tuple, tuple] = {}
 
+#: The longest state text :func:`_unpack` reads: many times the longest a scenario writes (a pool of 64 blocks:
+#: about 2 KB), so that a record made elsewhere cannot make the check parse megabytes.
+STATE_LIMIT = 100_000
+
+
+def _records(records: Any, name: str) -> list[dict[str, Any]]:
+    """``records`` (a scenario's list, as it came back) when it is a list of dicts, each case's ``steps`` (where
+    it has them) a list of dicts too; else the case fails, saying what came back. The scenario runs where the
+    learner's code runs: a record of another shape did not come from it as the check wrote it, and the checks
+    compare nothing that is not there (each also counts what came back: :func:`_compared`, :func:`_paired`)."""
+    def dicts(value: Any) -> bool:
+        return isinstance(value, list) and all(type(x) is dict for x in value)
+
+    if not dicts(records) or not all(dicts(r.get("steps", [])) for r in records):
+        fail(f"{name}: the scenario's record is incomplete: it came back as {describe(records, 80)}, expected a "
+             "list of records")
+    return records
+
 #: Seconds a scenario may run (CPU seconds under grading, where one test case has 60 in all): what the
 #: solution needs many times over (the longest, the hidden pool scenario, about 1 s). An infinite loop in the
 #: learner's code ends the scenario at that limit, and the check names the call it was in.
@@ -697,7 +717,9 @@ def _compared(scenario, mine: tuple, reference: tuple, cases: list, *, name: str
     batches = [(0, 1), (1, len(cases))] if len(cases) > 2 else [(0, len(cases))]
     for lo, hi in batches:
         batch = cases[lo:hi]
-        got = drive(scenario, *mine, batch, timeout=timeout, name=name)
+        got = _records(drive(scenario, *mine, batch, timeout=timeout, name=name), name)
+        if len(got) > len(batch):
+            fail(f"{name}: the scenario's record is incomplete: {len(got)} records came back for {len(batch)} cases")
         key = (scenario.__name__, tuple(getattr(r, "__qualname__", repr(r)) for r in reference),
                json.dumps(batch))
         if key not in _REFERENCE_RECORDS:
@@ -708,7 +730,8 @@ def _compared(scenario, mine: tuple, reference: tuple, cases: list, *, name: str
         for i, (m, r) in enumerate(zip(got, ref, strict=False)):
             yield lo + i, m, r
         if len(got) != len(ref):  # cut short by its time limit: the call that ran past it is its last record
-            _stopped(got[-1]["steps"] if got else [], f"{name}: the scenario stopped in case {lo + len(got) - 1}")
+            _stopped(got[-1]["steps"] if got else [], f"{name}: the scenario's record is incomplete: {len(got)} of "
+                     f"{len(ref)} cases came back" + (f" (case {lo} on)" if lo else ""))
 
 
 def _stopped(steps: list[dict[str, Any]], otherwise: str) -> None:
@@ -1247,6 +1270,9 @@ def _judge_grow(got, want, before, bs, rid, computed, new, label):
         if table and need > len(free) >= missing:
             hint = (f". Hint: the table already has {len(table)} block(s), so only {missing} are missing "
                     f"(not {need}), and {len(free)} are free")
+        elif missing == len(free):
+            hint = (f". Hint: exactly as many blocks are free as are missing ({missing}): that is enough, so "
+                    "compare with >, not >=")
         fail(f"{call} returned None, expected {missing} new block(s): {len(free)} are free{hint}")
     if got["ids"] is None:
         fail(f"{call} returned {got['returned']}, expected a list of the new blocks")
@@ -1254,7 +1280,10 @@ def _judge_grow(got, want, before, bs, rid, computed, new, label):
     expected = want["state"]["tables"].get(rid, [])
     if len(now) != len(expected):
         hint = ""
-        if len(now) == (computed + new) // bs and (computed + new) % bs:
+        if computed and len(now) == max(len(table), -(-new // bs)) == len(table) + len(got["ids"]):
+            hint = (f" Hint: the table must hold num_computed_tokens + num_new_tokens = {computed} + {new} = "
+                    f"{computed + new} tokens, not only the {new} new one(s)")
+        elif len(now) == (computed + new) // bs and (computed + new) % bs:
             hint = (f" Hint: {computed + new} tokens in blocks of {bs} need ceil({computed + new} / {bs}) = {need}"
                     " blocks: round up, the last block may be partly filled")
         elif len(now) == len(table) + need:
@@ -1372,8 +1401,10 @@ def _slot_hint(table, positions, bs):
 def _slot_calls(slot_mapping, calls: list[tuple[tuple, Any, Any]], name: str, timeout: float) -> None:
     """``calls``: (args, the expected slots or ValueError, the hint or why it must raise). One scenario makes
     every call; each is judged as ``expect_equal`` / ``expect_raises`` would judge it, in order."""
-    sent = [[{"range": [a.start, a.stop]} if isinstance(a, range) else a for a in args] for args, _, _ in calls]
-    records = drive(drive_slot_mapping, slot_mapping, sent, timeout=timeout, name=name)
+    # copies: in a check cell the learner's code gets these very lists, and may change them
+    sent = [[{"range": [a.start, a.stop]} if isinstance(a, range) else list(a) if isinstance(a, list) else a
+             for a in args] for args, _, _ in calls]
+    records = _records(drive(drive_slot_mapping, slot_mapping, sent, timeout=timeout, name=name), name)
     for (args, expected, note), rec in zip(calls, records, strict=False):
         label = format_call("slot_mapping", args)
         if expected is ValueError:
@@ -1387,7 +1418,7 @@ def _slot_calls(slot_mapping, calls: list[tuple[tuple, Any, Any]], name: str, ti
                  f"{rec['type']})")
         expect_equal(lambda *a, _v=rec["value"]: _v, args, expected, name="slot_mapping", hint=note, timeout=None)
     if len(records) != len(calls):  # (a scenario cut short has failed at its last record already)
-        fail(f"{name}: the scenario stopped after {len(records)} of {len(calls)} calls")
+        fail(f"{name}: the scenario's record is incomplete: {len(records)} of {len(calls)} calls came back")
 
 
 def check_slot_mapping_examples(slot_mapping):

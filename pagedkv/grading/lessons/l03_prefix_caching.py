@@ -284,9 +284,21 @@ def _plainly(value: Any) -> Any:
     return value
 
 
-def _drive(scenario, *args, **options) -> Any:
-    """:func:`~pagedkv.grading.checks.drive`, its record ready for messages (:func:`_plainly`)."""
-    return _plainly(drive(scenario, *args, **options))
+def _drive(scenario, *args, kind: type = dict, **options) -> Any:
+    """:func:`~pagedkv.grading.checks.drive`, its record ready for messages (:func:`_plainly`). The record must be
+    a ``kind`` (a dict of observations, or a list of dicts): the scenario runs where the learner's code runs, and
+    a record of another kind did not come from it as the check wrote it; the case fails, saying what came back
+    (the checks then find every observation they compare, or fail: :func:`_at`, :func:`_incomplete`)."""
+    record = _plainly(drive(scenario, *args, **options))
+    if not isinstance(record, kind) or (kind is list and not all(type(r) is dict for r in record)):
+        _incomplete(options.get("name") or scenario.__name__,
+                    f"it came back as {describe(record, 80)}, expected a {kind.__name__} of records")
+    return record
+
+
+def _incomplete(what: str, detail: str) -> None:
+    """Fail for a scenario's record that lacks what the check compares (see :func:`_drive`)."""
+    fail(f"{what}: the scenario's record is incomplete: {detail}")
 
 
 def _shown(value: Any) -> str:
@@ -310,8 +322,15 @@ def _at(seen: dict, key: str, hint: Any = None) -> Any:
     """``seen[key]``; when the scenario ended before it, the failure of the step that ended it (``hint``: a
     function of that record that adds to the message)."""
     if key not in seen:
-        _fail_with(seen.get("failed"), hint)
+        if not isinstance(seen.get("failed"), dict):  # no step ended it: the observation is missing
+            _incomplete("the check's scenario", f"it has no {key!r}")
+        _fail_with(seen["failed"], hint)
     return seen[key]
+
+
+#: The longest observation :func:`_read` reads back: many times the longest a scenario of the set writes (a few
+#: KB), far below what would make ``ast.literal_eval`` take much memory (about 200 bytes per character).
+READ_LIMIT = 200_000
 
 
 def _fail_with(record, hint=None):
@@ -329,6 +348,8 @@ def _read(observed: Any) -> Any:
     """What :func:`text` wrote, read back (as the string itself when it is not a literal)."""
     if not isinstance(observed, str):
         return observed
+    if len(observed) > READ_LIMIT:  # not what a scenario of the set writes: shown by its length, never parsed
+        return _Raw(f"<a text of {len(observed)} characters>")
     try:
         return _plainly(ast.literal_eval(observed))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
@@ -377,7 +398,9 @@ def drive_hash_chains(hash_chain, calls):
 def _chains(hash_chain, calls):
     """The learner's hash_chain on each call's arguments, in one round trip (one record per call: those after a
     call that hung repeat it)."""
-    results = _drive(drive_hash_chains, hash_chain, [tuple(c) for c in calls], name="hash_chain")
+    results = _drive(drive_hash_chains, hash_chain, [tuple(c) for c in calls], kind=list, name="hash_chain")
+    if len(results) > len(calls) or (len(results) < len(calls) and not (results and results[-1].get("timeout"))):
+        _incomplete("hash_chain", f"{len(results)} of {len(calls)} calls came back")
     return results + results[-1:] * (len(calls) - len(results))
 
 
@@ -657,6 +680,8 @@ def drive_lookup_examples(cls):
 def _lookup_result(record, what):
     """The (block ids, tokens) of a lookup record (:func:`lookup`), or the failure it shows."""
     call = f"get_computed_blocks({what})"
+    if not isinstance(record, dict):
+        _incomplete(call, f"it came back as {describe(record, 80)}")
     if "raised" in record or record.get("timeout"):
         fail(_said(record, call))
     if record.get("none"):
@@ -666,6 +691,8 @@ def _lookup_result(record, what):
     if "bad_blocks" in record:
         fail(f"{call} returned {record['bad_blocks']} as its blocks: expected a list of the pool's KVCacheBlock "
              "objects (from self.block_pool.get_cached_block)")
+    if not {"ids", "n", "changed", "stats"} <= set(record) or not isinstance(record["ids"], list):
+        _incomplete(call, f"it came back as {describe(record, 80)}")
     if record["changed"]:
         fail(f"{call} changed the pool's {record['changed']}: a lookup only finds the blocks; allocate_slots "
              "takes them (touch)")
@@ -880,9 +907,15 @@ def drive_cache_only_full_blocks(cls):
     return seen.data
 
 
-def expect_cached(view, hashes, want_full, what, rid, bs=4):
+def expect_cached(view, want, want_full, what, rid, bs=4):
     """The first want_full blocks of the request's table (``view``: :func:`cache_view`) are cached with its
-    hashes (``hashes``: the library's for the same request); the rest are not."""
+    hashes (``want``: the library's view of the same step); the rest are not. The table has the library's
+    length (the blocks are the library's allocate_slots'; a shorter one compares nothing)."""
+    hashes = want["hashes"]
+    if not isinstance(view, dict) or not isinstance(view.get("table"), list) or \
+            len(view["table"]) != len(want["table"]) or "num_cached" not in view:
+        _incomplete(f"after {what}", f"the view of {rid!r}'s table came back as {describe(view, 120)}, expected "
+                    f"{len(want['table'])} table entries")
     for i, (bid, h, in_map) in enumerate(view["table"]):
         if i < want_full:
             if h is None:
@@ -919,20 +952,20 @@ def check_cache_only_full_blocks(PrefixCachingKVCacheManager):
     def view(key):
         return _at(seen, key, hint=_allocate_hint)
 
-    expect_cached(view("a18"), ref["a18"]["hashes"], 4, "allocate_slots(a, 18): 4 full blocks and 2 tokens over", "a")
-    expect_cached(view("a19"), ref["a19"]["hashes"], 4, "a's decode step for token 18 (block 4 holds 3 tokens)", "a")
-    expect_cached(view("a20"), ref["a20"]["hashes"], 5, "a's decode step for token 19 (block 4 is now full)", "a")
-    expect_cached(view("b"), ref["b"]["hashes"], 7,
+    expect_cached(view("a18"), ref["a18"], 4, "allocate_slots(a, 18): 4 full blocks and 2 tokens over", "a")
+    expect_cached(view("a19"), ref["a19"], 4, "a's decode step for token 18 (block 4 holds 3 tokens)", "a")
+    expect_cached(view("a20"), ref["a20"], 5, "a's decode step for token 19 (block 4 is now full)", "a")
+    expect_cached(view("b"), ref["b"], 7,
                   "allocate_slots for b (5 hit blocks, then 11 new tokens: 2 more full blocks)", "b")
     a5, b5 = view("ab5")
-    if b5 != a5:
+    if b5 != a5 or len(a5) != 5:
         fail("b's first 5 blocks should be a's (cache hits)")
     start = 0
     for k, (chunk, full) in enumerate(((6, 1), (6, 3), (10, 5))):
-        expect_cached(view(f"d{k}"), ref[f"d{k}"]["hashes"], full,
+        expect_cached(view(f"d{k}"), ref[f"d{k}"], full,
                       f"d's prefill chunk of tokens {start}-{start + chunk - 1} (of 22)", "d")
         start += chunk
-    expect_cached(view("c"), ref["c"]["hashes"], 6, "allocate_slots(c, 24): exactly 6 full blocks", "c")
+    expect_cached(view("c"), ref["c"], 6, "allocate_slots(c, 24): exactly 6 full blocks", "c")
 
 
 def drive_prefix_workload(cls, part, seed=2718):
@@ -1035,8 +1068,8 @@ def check_prefix_lookup_hidden(PrefixCachingKVCacheManager, half="both"):
                             ("get_computed_blocks", "_cache_blocks"))
     for part in {"lookup": (0,), "caching": (1,), "both": (0, 1)}[half]:
         uses = (CACHE_BLOCKS,) if part == 0 else (GET_COMPUTED_BLOCKS,)
-        mine = _drive(drive_prefix_workload, Learner, part, uses=uses, name="the random workloads")
-        ref = _drive(drive_prefix_workload, KVCacheManager, part)
+        mine = _drive(drive_prefix_workload, Learner, part, uses=uses, kind=list, name="the random workloads")
+        ref = _drive(drive_prefix_workload, KVCacheManager, part, kind=list)
         _compare_workloads(mine, ref, part)
 
 
@@ -1077,8 +1110,8 @@ def _compare_workloads(mine, ref, part):
                 fail(f"after a decode step of {want['rid']!r}, {_cached_diff(got['cached'], want['cached'])}")
         elif want["op"] == "free" and isinstance(alloc, dict):
             fail(_said(alloc))
-    if len(mine) < len(ref):
-        fail("the random workload on your manager stopped early")
+    if len(mine) != len(ref):
+        _incomplete("the random workloads", f"{len(mine)} of {len(ref)} steps came back")
 
 
 def _cached_diff(got, want):
@@ -1216,7 +1249,11 @@ def check_free_blocks_bad_input(EvictingBlockPool):
              f"{_shown(first['ref_cnt'])}, expected blocks [1, 4, 5] (in any order for this case) and ref_cnt 0"
              + (". Nothing changed: is free_blocks still the stub (...)?" if first["ref_cnt"] == 1 and held == [4, 5]
                 else ""))
-    for (_, what), step in zip(BAD_FREES, _at(seen, "bad"), strict=True):
+    bad = _at(seen, "bad")
+    if not isinstance(bad, list) or len(bad) != len(BAD_FREES) or \
+            not all(type(x) is dict and {"did", "before", "after"} <= set(x) for x in bad):
+        _incomplete("the free_blocks refusals", f"they came back as {describe(bad, 80)}, expected {len(BAD_FREES)}")
+    for (_, what), step in zip(BAD_FREES, bad, strict=True):
         did = step["did"]
         if did == "returned":
             fail(f"{what} returned; expected ValueError (a double free would corrupt ref_cnt and the queue)")
@@ -1386,7 +1423,13 @@ def check_eviction_with_the_manager(EvictingBlockPool):
     ref = _drive(drive_eviction_with_manager, BlockPool)
     if "failed" in mine:
         _at(mine, "state", hint=_pool_hint)
-    for (rid, n_want, t_want), (_, n_got, t_got) in zip(ref["log"], mine["log"], strict=True):
+    log = _at(mine, "log")
+    if not isinstance(log, list) or len(log) != len(ref["log"]) or \
+            not all(isinstance(x, (list, tuple)) and len(x) == 3 for x in log):
+        _incomplete("the shared-system-prompt scenario", f"its log came back as {describe(log, 80)}, expected "
+                    f"{len(ref['log'])} requests")
+    _at(mine, "state")
+    for (rid, n_want, t_want), (_, n_got, t_got) in zip(ref["log"], log, strict=True):
         if (n_got, t_got) != (n_want, t_want):
             fail(f"with your pool in a KVCacheManager, request {rid} hit {n_got} cached tokens and got the block table "
                  f"{t_got}; with the library's pool: {n_want} tokens and {t_want}. The eviction order decides which "
@@ -1470,14 +1513,17 @@ def check_eviction_hidden(EvictingBlockPool):
     Learner = _learner_pool(EvictingBlockPool)
 
     # Random operations on your pool and the library's, side by side.
-    mine = _drive(drive_eviction_hidden, Learner, name="the random pool operations")
-    ref = _drive(drive_eviction_hidden, BlockPool)
+    mine = _drive(drive_eviction_hidden, Learner, kind=list, name="the random pool operations")
+    ref = _drive(drive_eviction_hidden, BlockPool, kind=list)
     for got_trial, want_trial in zip(mine, ref, strict=False):
         if "failed" in got_trial:
             fail(_said(got_trial["failed"]))
         n = want_trial["n"]
         history: list[str] = []
-        for got, want in zip(got_trial["steps"], want_trial["steps"], strict=False):
+        steps = got_trial.get("steps")
+        if not isinstance(steps, list) or not all(type(x) is dict for x in steps):
+            _incomplete("the random pool operations", f"a trial's steps came back as {describe(steps, 80)}")
+        for got, want in zip(steps, want_trial["steps"], strict=False):
             if want["op"] is not None:
                 history.append(want["op"])
             recent = "; ".join(history[-6:])
@@ -1509,8 +1555,12 @@ def check_eviction_hidden(EvictingBlockPool):
                 why = diff(_read(got.get("state")), _read(want["state"]))
                 if why:
                     fail(f"random operations on a pool of {n} blocks: after {recent}: {why}")
-        if len(got_trial["steps"]) < len(want_trial["steps"]):
+        if len(steps) < len(want_trial["steps"]):
             fail(f"random operations on a pool of {n} blocks stopped early, after {'; '.join(history[-6:])}")
+        if len(steps) > len(want_trial["steps"]):
+            _incomplete("the random pool operations", f"{len(steps)} steps came back for {len(want_trial['steps'])}")
+    if len(mine) != len(ref):
+        _incomplete("the random pool operations", f"{len(mine)} of {len(ref)} trials came back")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1653,10 +1703,16 @@ def cow_failure(exc: BaseException) -> dict[str, Any]:
 
 
 def check_reads(view, want, bs, what):
-    """Each request reads back its own tokens (``want``: the library's view of the same step)."""
-    for rid, got in view["reads"].items():
-        own = want["reads"].get(rid)
-        if own is None or got == own:
+    """Each request reads back its own tokens (``want``: the library's view of the same step; every request of
+    it must be in ``view``)."""
+    reads = view.get("reads") if isinstance(view, dict) else None
+    if not isinstance(reads, dict) or not set(want["reads"]) <= set(reads) or \
+            not isinstance(view.get("tables"), dict) or not set(want["tables"]) <= set(view["tables"]):
+        _incomplete(what, f"the requests' reads came back as {describe(view, 120)}, expected one per request "
+                    f"{sorted(want['reads'])}")
+    for rid, own in want["reads"].items():
+        got = reads[rid]
+        if got == own:
             continue
         if not isinstance(got, list):
             fail(f"{what}: the table of {rid!r} cannot be read back: {_shown(got)}")
@@ -1723,8 +1779,11 @@ def check_cow_parallel_sampling(copy_on_write):
     # n = 4: one 10-token prompt (blocks of 4: two full blocks, one holding 2 tokens), three forks.
     mine = _drive(drive_cow_parallel_sampling, copy_on_write, name="the parallel-sampling scenario")
     ref = _drive(drive_cow_parallel_sampling, None)
-    shared = _at(mine, "shared")
+    _at(mine, "shared")
+    shared = ref["shared"]  # the library's prefill made it: the same on both
     writes = mine.get("writes", [])
+    if not isinstance(writes, list) or not all(type(x) is dict and "pairs" in x for x in writes):
+        _incomplete("the parallel-sampling scenario", f"its writes came back as {describe(writes, 80)}")
     i = 0
     for rnd in range(3):
         for k in range(4):
@@ -1751,6 +1810,8 @@ def check_cow_parallel_sampling(copy_on_write):
             i += 1
     # the two full blocks stay shared by all four branches
     tables = _at(mine, "tables")
+    if not isinstance(tables, dict) or set(tables) != set(ref["tables"]):
+        _incomplete("the parallel-sampling scenario", f"its tables came back as {describe(tables, 80)}")
     for k in range(4):
         t = tables[f"s{k}"]
         if t[:2] != shared[:2]:
@@ -1762,7 +1823,9 @@ def check_cow_parallel_sampling(copy_on_write):
         fail(f"{mine['copies']} copies were made for 4 branches, expected 3 (the last writer owns the block)")
     # freeing every branch returns every block
     end = _at(mine, "end")
-    if end["free"] != end["usable"]:
+    if not isinstance(end, dict) or not {"free", "held"} <= set(end):
+        _incomplete("the parallel-sampling scenario", f"its end came back as {describe(end, 80)}")
+    if end["free"] != ref["end"]["usable"]:
         fail(f"after freeing all four branches, blocks {end['held']} are still held: copy_on_write must drop the "
              "writer's reference on the shared block (free_blocks([src])) when it takes the copy")
 
@@ -1926,8 +1989,8 @@ def check_cow_hidden(copy_on_write):
     require_function(copy_on_write, "copy_on_write")
 
     # Random fork trees (beam-search-like), your rule and the library's side by side.
-    mine = _drive(drive_cow_hidden, copy_on_write, name="the random fork trees")
-    ref = _drive(drive_cow_hidden, None)
+    mine = _drive(drive_cow_hidden, copy_on_write, kind=list, name="the random fork trees")
+    ref = _drive(drive_cow_hidden, None, kind=list)
     failed = next((t["failed"] for t in mine if "failed" in t), None)
     for trial, want_trial in enumerate(ref):
         if trial >= len(mine) or "failed" in mine[trial]:

@@ -131,6 +131,17 @@ def _refused(record, name: str) -> None:
         _fail(f"{name} must be decorated with @triton.jit (it is a {record['refused']})")
 
 
+def _cases(record: dict, cases: list, name: str) -> list:
+    """The scenario's per-case records, before the comparisons: a list of dicts, no more than ``cases`` (a
+    shorter one ends with a failure; :func:`_all_seen` counts them after). Anything else did not come from the
+    scenario as the check wrote it: the case fails, saying what came back."""
+    got = record.get("cases")
+    if not isinstance(got, list) or len(got) > len(cases) or not all(isinstance(r, dict) for r in got):
+        _fail(f"the test of {name}: the scenario's record is incomplete: its cases came back as "
+              f"{type(got).__name__} {str(got)[:80]}, expected {len(cases)} records")
+    return got
+
+
 def _all_seen(record: dict, cases: list, name: str) -> None:
     """After the comparisons: fail unless the scenario's record held every case (a shorter one ends with a
     failure, which has failed the test before this)."""
@@ -301,7 +312,8 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
     record = drive(drive_offsets_probe, kv_block_offsets, cases, timeout=_drive_timeout(len(cases)),
                    name="kv_block_offsets")
     _refused(record, "kv_block_offsets")
-    for (block_size, head_dim, kv_head, seq_len, table, strides), rec in zip(cases, record["cases"], strict=False):
+    seen = _cases(record, cases, "kv_block_offsets")
+    for (block_size, head_dim, kv_head, seq_len, table, strides), rec in zip(cases, seen, strict=False):
         _launch_failed(f"kv_block_offsets (block_size={block_size}, head_dim={head_dim})", rec)
         offs, mask = rec["offsets"], rec["mask"]
         want_offs, want_mask = _expected_offsets(table, seq_len, kv_head, strides, block_size, head_dim)
@@ -400,7 +412,7 @@ def check_kv_block_offsets_gather(kv_block_offsets, seed: int = 0, block_sizes=(
     record = drive(drive_offsets_gather, kv_block_offsets, cases, timeout=_drive_timeout(2 * len(cases)),
                    name="kv_block_offsets")
     _refused(record, "kv_block_offsets")
-    for (kc, bt, _), lens, rec in zip(cases, all_lens, record["cases"], strict=False):
+    for (kc, bt, _), lens, rec in zip(cases, all_lens, _cases(record, cases, "kv_block_offsets"), strict=False):
         block_size = kc.shape[1]
         what = f"gathering with kv_block_offsets (block_size={block_size})"
         if "bounds" not in rec:
@@ -549,7 +561,10 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
                    name="paged_decode_v1_kernel")
     _refused(record, "paged_decode_v1_kernel")
     _launch_failed("paged_decode_v1_kernel", record)
-    out = record["out"]
+    out = record.get("out")
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        _fail("the test of paged_decode_v1_kernel: the scenario's record is incomplete: its output came back as "
+              f"{type(out).__name__} {str(out)[:80]}, expected a tensor of shape {tuple(ref.shape)}")
     err = relative_error(out, ref)
     if err < TOL[dtype]:
         return
@@ -725,7 +740,7 @@ def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8)
     record = drive(drive_query_group_probe, load_query_group, num_kv_heads, cases,
                    timeout=_drive_timeout(len(cases)), name="load_query_group")
     _refused(record, "load_query_group")
-    for (group, block_g, b, q), rec in zip(cases, record["cases"], strict=False):
+    for (group, block_g, b, q), rec in zip(cases, _cases(record, cases, "load_query_group"), strict=False):
         hq = num_kv_heads * group
         _launch_failed(f"load_query_group (GROUP={group}, BLOCK_G={block_g})", rec)
         q_out, heads, rows = rec["q"], rec["heads"], rec["rows"]
@@ -826,7 +841,8 @@ def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num
     record = drive(drive_group_decode, load_query_group, cases, timeout=_drive_timeout(len(cases)),
                    name="load_query_group")
     _refused(record, "load_query_group")
-    for group, lens, (q, kc, vc, bt, sl), ref, rec in zip(groups, all_lens, cases, refs, record["cases"],
+    for group, lens, (q, kc, vc, bt, sl), ref, rec in zip(groups, all_lens, cases, refs,
+                                                          _cases(record, cases, "load_query_group"),
                                                           strict=False):
         hq = num_kv_heads * group
         _launch_failed(f"decode version 2 with load_query_group (GROUP={group})", rec)

@@ -27,6 +27,7 @@ import random
 import re
 import types
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -302,15 +303,46 @@ def _judge_inputs(record: dict, so, token_ids, bs) -> None:
             fail(f"for the step {_describe_step(so, bs, with_tables=name == 'slot_mapping')}: {name} is "
                  f"{describe(value, 200)}, expected {describe(expected, 200)}; "
                  f"{_first_difference(name, value, expected, want)}. Hint: {HINTS[name]}")
+        slip = _type_slip(value, expected)
+        if slip is not None:  # equal values of another type: 1.0 == 1 and True == 1 in Python, not to the engine
+            fail(f"for the step {_describe_step(so, bs)}: {name} is {describe(value, 200)}: {slip}. The engine "
+                 "indexes its tokens, cache slots and tables with these numbers: ints (a tensor's values count as "
+                 "their Python numbers: use an integer dtype)")
+
+
+def _type_slip(value: Any, expected: Any, at: str = "") -> str | None:
+    """Where ``value``, equal to ``expected`` under ``==``, holds an item of another type (a float or a bool where
+    the library has an int), or None."""
+    if isinstance(expected, list):
+        for i, (v, e) in enumerate(zip(value, expected, strict=True)):
+            slip = _type_slip(v, e, f"{at}[{i}]")
+            if slip is not None:
+                return slip
+        return None
+    if is_int(expected) and not is_int(value):
+        return f"entry {at} is {describe(value, 40)} (a {type(value).__name__}), expected the int {expected}"
+    return None
+
+
+def _records(records: Any, expected: int, unit: str) -> list[dict]:
+    """A scenario's list of records, as it came back, when it is one: a list of dicts, no more than ``expected``
+    (a shorter one ends with a raise or a timeout, which fails its step; the check counts them as it goes). Else
+    the case fails, saying what came back: the scenario runs where the learner's code runs, and a record of
+    another shape did not come from it as the check wrote it."""
+    if not isinstance(records, list) or len(records) > expected or not all(isinstance(r, dict) for r in records):
+        fail(f"the scenario's record is incomplete: it came back as {describe(records, 80)}, expected {expected} "
+             f"records of {unit}")
+    return records
 
 
 def _compare_inputs(fn, specs, timeout: float = 30.0) -> None:
     """One scenario over every step of ``specs``, then each step judged here, in order."""
     records = drive(drive_prepare_inputs, fn, list(specs), timeout=timeout, name="prepare_inputs on the steps")
     steps = [step for spec in specs for step in steps_of(spec)]
+    records = _records(records, len(steps), "steps")
     for i, (so, token_ids, bs) in enumerate(steps):
         if i >= len(records):
-            fail(f"the scenario recorded {len(records)} steps of {len(steps)}")
+            fail(f"the scenario's record is incomplete: {len(records)} of {len(steps)} steps came back")
         _judge_inputs(records[i], so, token_ids, bs)
 
 
@@ -609,9 +641,10 @@ def _compare_attention(fn, seeds, check_cache: bool = True) -> None:
     seeds = list(seeds)
     records = drive(drive_attention, fn, seeds, timeout=30.0 + ATTENTION_TIMEOUT * len(seeds),
                     name="paged_attention on random steps")
+    records = _records(records, len(seeds), "steps")
     for i, seed in enumerate(seeds):
         if i >= len(records):
-            fail(f"the scenario recorded {len(records)} steps of {len(seeds)}")
+            fail(f"the scenario's record is incomplete: {len(records)} of {len(seeds)} steps came back")
         _judge_attention(records[i], seed, check_cache)
 
 

@@ -229,6 +229,24 @@ def drive_sliding_hit(find_longest_sliding_hit, cases) -> list[dict[str, Any]]:
     return records
 
 
+def _records(records: Any, label: str) -> list[dict[str, Any]]:
+    """``records`` (a scenario's list, as it came back) when it is a list of dicts; else the case fails, saying
+    what came back."""
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        fail(f"{label}: the scenario's record is incomplete: it came back as {describe(records, 80)}, expected a "
+             "list of records")
+    return records
+
+
+def _all_came_back(records: list, expected: int, unit: str, label: str) -> None:
+    """After the comparisons: fail unless ``records`` held all ``expected`` records. A scenario stops early only
+    at a call that raised, whose record (its last) has failed the case already; a list cut short or empty
+    otherwise came from a scenario that did not run as the check wrote it, and the checks compare nothing that is
+    not there."""
+    if len(records) != expected:
+        fail(f"{label}: the scenario's record is incomplete: {len(records)} of {expected} {unit} came back")
+
+
 # --------------------------------------------------------------------------------------------------------
 # 2. remove_skipped_blocks
 # --------------------------------------------------------------------------------------------------------
@@ -236,14 +254,20 @@ def _remove_cases(remove_skipped_blocks, cases: list[tuple[int, int, int, list[i
                   label: str) -> None:
     """Drive the learner's function through ``cases`` (one scenario), the library's through the same, and
     fail at the first call after which the table, free queue or ref counts differ."""
-    got = drive(drive_remove_skipped, remove_skipped_blocks, cases, timeout=5,
-                name=f"remove_skipped_blocks(manager, 'r', n) on {label}")
+    label = f"remove_skipped_blocks(manager, 'r', n) on {label}"
+    got = drive(drive_remove_skipped, remove_skipped_blocks, cases, timeout=5, name=label)
     want = drive_remove_skipped(SlidingWindowManager.remove_skipped_blocks, cases)
-    for (bs, window, prompt, calls), what, mine, ref in zip(cases, whats, got, want, strict=False):
-        before = mine["before"]
-        for n, step, expected in zip(calls, mine["steps"], ref["steps"], strict=False):
+    for (bs, window, prompt, calls), what, mine, ref in zip(cases, whats, _records(got, label), want, strict=False):
+        before = mine.get("before")
+        steps = _records(mine.get("steps"), f"{label}, {what}")
+        if not isinstance(before, dict) or not isinstance(before.get("table"), list):
+            fail(f"{label}, {what}: the scenario's record is incomplete: the state before the first call came back "
+                 f"as {describe(before, 80)}")
+        for n, step, expected in zip(calls, steps, ref["steps"], strict=False):
             _remove_step(step, expected, before, bs, window, prompt, n, what)
             before = step
+        _all_came_back(steps, len(calls), "calls", f"{label}, {what}")
+    _all_came_back(got, len(cases), "requests", label)
 
 
 def _remove_step(got: dict, want: dict, before: dict, bs: int, window: int, prompt: int, n: int, what: str) -> None:
@@ -256,6 +280,9 @@ def _remove_step(got: dict, want: dict, before: dict, bs: int, window: int, prom
             f"after {call}")  # fmt: skip
     if "unreadable" in got:
         fail(f"{head} the manager could not be read ({got['unreadable']}), expected the table {want['table']}")
+    if set(got) != set(want):
+        fail(f"{head} the scenario's record is incomplete: {describe(got, 80)}, expected the table, free queue and "
+             "ref_cnt")
     if not isinstance(got["table"], list):
         fail(f"{head} manager.req_to_blocks['r'] is {got['table']}, expected the table {want['table']}: keep the "
              "request's list and put manager.block_pool.null_block in it where a block was released")
@@ -344,11 +371,12 @@ def _hit_cases(find_longest_sliding_hit, cases: list[tuple[int, int, int, list[i
                label: str) -> None:
     """Drive the learner's function through ``cases`` (one scenario), the library's through the same, and
     fail at the first case whose hit differs."""
-    got = drive(drive_sliding_hit, find_longest_sliding_hit, cases, timeout=5,
-                name=f"find_longest_sliding_hit(pool, hashes, ...) on {label}")
+    label = f"find_longest_sliding_hit(pool, hashes, ...) on {label}"
+    got = drive(drive_sliding_hit, find_longest_sliding_hit, cases, timeout=5, name=label)
     want = drive_sliding_hit(_reference_hit, cases)
-    for case, what, mine, ref in zip(cases, whats, got, want, strict=False):
+    for case, what, mine, ref in zip(cases, whats, _records(got, label), want, strict=False):
         _hit_case(case, what, mine, ref)
+    _all_came_back(got, len(cases), "cases", label)
 
 
 def _hit_case(case, what: str, got: dict, want: dict) -> None:  # noqa: C901 - one hint per known mistake
@@ -363,6 +391,9 @@ def _hit_case(case, what: str, got: dict, want: dict) -> None:  # noqa: C901 - o
         fail(f"{what}: {call} returned {got['blocks_desc']} as the blocks, expected a list of KVCacheBlock"
              + (": put block_pool.null_block, not None, where the window does not need the block" if got["nulls"]
                 else ""))
+    if set(got) != set(want):
+        fail(f"{what}: {call}: the scenario's record is incomplete: {describe(got, 80)}, expected the blocks and the "
+             "length")
     ids, length, want_ids, want_len = got["blocks"], got["length"], want["blocks"], want["length"]
     if ids == want_ids and length == want_len:
         return
