@@ -178,6 +178,9 @@ def check_paged_admission_errors(paged_admission: Any) -> None:
     # was given is seen there: under grading only a copy of the arguments reaches the learner's code.
     seen = drive(drive_paged_admission_keeps_lens, paged_admission, list(SEED_LENS), 100, 16, "skip", timeout=2,
                  name=format_call("paged_admission", (list(SEED_LENS), 100, 16, "skip")))
+    if not isinstance(seen, dict) or not (isinstance(seen.get("lens"), list) or "raised" in seen):
+        fail(f"{format_call('paged_admission', (list(SEED_LENS), 100, 16, 'skip'))}: the scenario's record is "
+             f"incomplete: it came back as {describe(seen, 80)}")
     if "raised" in seen:
         fail(f"{seen['label']} raised {seen['raised']}: {seen['message']}{seen['where']}")
     if seen["lens"] != SEED_LENS:

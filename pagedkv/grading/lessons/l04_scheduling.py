@@ -525,6 +525,8 @@ def _check_no_admission_when_preempting(step: int, mine: dict) -> None:
 
 def _check_victims(step: int, mine: dict) -> None:
     for rid in mine["preempted"]:
+        if isinstance(rid, str) and rid not in mine["victims"]:
+            fail(f"step {step}: the scenario's record is incomplete: no record of the preempted {rid!r}")
         v = mine["victims"].get(rid)
         if v is None:
             continue
@@ -607,11 +609,16 @@ def _compare_step(step: int, mine: dict, ref: dict, cfg: dict) -> None:
             f"step {step}: requests scheduled in the order {list(my_sched)}, expected {list(ref_sched)} (running "
             "requests first, then the admitted ones in queue order)"
         )
-    for rid, status in mine.get("status_mid", {}).items():
-        if status != ref.get("status_mid", {}).get(rid, status):
+    statuses = mine.get("status_mid", {})
+    for rid, want in ref.get("status_mid", {}).items():  # the library's running requests: all must be there
+        if rid not in statuses:
+            if rid in mine["running_mid"]:
+                fail(f"step {step}: the scenario's record is incomplete: no status of the running {rid!r}")
+            continue
+        if statuses[rid] != want:
             fail(
-                f"step {step}: {rid!r} is in scheduler.running with status {status}, expected "
-                f"{ref['status_mid'][rid]}: on admission set request.status = RequestStatus.RUNNING"
+                f"step {step}: {rid!r} is in scheduler.running with status {statuses[rid]}, expected {want}: on "
+                "admission set request.status = RequestStatus.RUNNING"
             )
     both = set(mine["running_mid"]) & set(mine["waiting_mid"])
     if both:
