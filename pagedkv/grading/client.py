@@ -11,7 +11,10 @@ do two things with them, each one request to the sandbox (:mod:`pagedkv.grading.
 The comparison with the expected answer happens here, with this process's checks, which nothing in the
 notebook can reach. Every wait for the sandbox is bounded: a test case's CPU budget (:class:`TooSlow`), the
 checks' per-call ``timeout`` (SIGALRM here), and after an interrupt a grace period, after which the sandbox is
-declared dead (:class:`SandboxDied`).
+declared dead (:class:`SandboxDied`). Once an answer has begun to arrive, the whole of it must arrive within
+:attr:`~pagedkv.grading.limits.Limits.message_timeout` seconds (and a request must be taken within as long): a
+sandbox that sends part of a message and stalls is killed and declared dead, instead of holding the worker until
+the notebook's own limit.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ import time
 from typing import Any
 
 from pagedkv.grading.limits import WALL_FACTOR
-from pagedkv.grading.plain import Learner, ProtocolError, decode, encode, read_message, rebuild_exception, write_message
+from pagedkv.grading.plain import (
+    Learner,
+    MessageStalled,
+    ProtocolError,
+    decode,
+    encode,
+    read_message,
+    rebuild_exception,
+    write_message,
+)
 from pagedkv.grading.sandbox import Sandbox
 
 __all__ = ["Client", "NeedsLibrary", "SandboxDied", "TooSlow"]
@@ -54,6 +66,7 @@ class Client:
     def __init__(self, sandbox: Sandbox, references: list[str]) -> None:
         self.sandbox = sandbox
         self.references = set(references)
+        self.message_timeout = sandbox.limits.message_timeout
         self.dead: str | None = None
         self.deadline: float | None = None  # the current test case's budget (None between cases)
         self.budget = 0.0
@@ -189,9 +202,11 @@ class Client:
         as the checks' SIGALRM), interrupt the learner's code and wait for its answer so the conversation stays
         in step; if none comes within the grace period, the sandbox is dead."""
         try:
-            write_message(self.sandbox.fd_to, msg)
+            write_message(self.sandbox.fd_to, msg, timeout=self.message_timeout)
         except OSError as exc:
             self._die(f"the learner's process {self.sandbox.exit_description()} ({exc.strerror})")
+        except MessageStalled as exc:
+            self._kill(f"your code's process did not take the grader's request ({exc})")
         try:
             if not self._wait(timeout, budgeted):
                 self._interrupt_and_drain()
@@ -226,14 +241,23 @@ class Client:
 
     def _read(self) -> dict:
         try:
-            return read_message(self.sandbox.fd_from)
+            return read_message(self.sandbox.fd_from, timeout=self.message_timeout)
         except (EOFError, OSError):
             with contextlib.suppress(Exception):
                 self.sandbox.proc.wait(timeout=2)
             self._die(f"the learner's process {self.sandbox.exit_description()}")
+        except MessageStalled as exc:
+            self._kill(f"your code's process began an answer and stopped in the middle of it ({exc}; "
+                       f"{self.message_timeout:g} s allowed)")
         except ProtocolError as exc:
-            self._die(f"the learner's process sent garbage ({exc})")
+            self._kill(f"your code's process sent the grader a message it does not accept ({exc})")
         raise AssertionError("unreachable")
+
+    def _kill(self, why: str) -> None:
+        """The conversation is out of step for good: kill the sandbox now (its CPU and memory are freed, and the
+        next test case starts a fresh one) and declare it dead."""
+        self.sandbox.close()
+        self._die(f"{why}, so it was killed")
 
     def _interrupt_and_drain(self) -> None:
         self.sandbox.interrupt()

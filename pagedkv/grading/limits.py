@@ -32,6 +32,13 @@ class Limits:
     #                        can be made; otherwise the address space of each process: see the grading README)
     processes: int = 256  # processes and threads in a sandbox
     tmpfs: int = 512 << 20  # bytes of each private tmpfs in a sandbox (/tmp, /var/tmp, /dev/shm, the home)
+    cpus: float = 1.0  # CPUs a sandbox may keep busy at once (its cgroup's CPU quota, where one can be made)
+    message_timeout: float = 20.0  # seconds a message from a sandbox may take to arrive whole once it has begun
+    #                                (an honest one takes milliseconds); past it the sandbox is killed
+    worker_memory: int = 2 * GIB  # bytes of data (RLIMIT_DATA) for the trusted worker that grades a notebook:
+    #                               it parses what the sandboxes send (honest peak 0.35 GiB, set 07)
+    notebook_size: int = 16 << 20  # bytes of a notebook file: a bigger one is refused unread (a learner's is
+    #                                well under 1 MiB)
 
     def __post_init__(self) -> None:
         for f in fields(self):

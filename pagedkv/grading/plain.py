@@ -12,6 +12,13 @@ A message is an 8-byte big-endian length and a UTF-8 JSON object. A value is one
 - ``{"$learner": name}``: the learner's object of that name in the notebook (trusted side to sandbox only);
 - ``{"$exc": {...}}``: an exception, as its type's name, its built-in bases, its message and the learner's line.
 
+What arrives from the sandbox is the learner's: it is read with bounds (:data:`MAX_MESSAGE` bytes,
+:data:`MAX_ELEMENTS` values, a nesting depth, the whole message within a deadline once it has begun:
+:class:`MessageStalled`), and an exception rebuilt from it is marked as the learner's (:func:`from_learner`) and
+is never an ``AssertionError``, the type of a check's own failure: a learner's ``AssertionError("... 12/12")``
+reads as "your code raised AssertionError: ...", not as the check's verdict. Its message is cut to
+:data:`LEARNER_TEXT` characters (:func:`cap_text`).
+
 Nothing else crosses: no handles, no mirrors, no object rebuilt by running code that arrived in a message. A
 value the learner's code made that is none of these (an object whose ``__eq__`` says yes to everything) cannot
 be sent, and the test case that asked for it fails saying so.
@@ -26,17 +33,27 @@ import json
 import linecache
 import math
 import os
+import select
 import struct
+import time
 import traceback
 import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_MESSAGE", "Learner", "LibraryName", "ProtocolError", "decode", "encode", "exception_info",
-           "read_message", "rebuild_exception", "write_message"]
+__all__ = ["LEARNER_TEXT", "MAX_ELEMENTS", "MAX_MESSAGE", "Learner", "LearnerError", "LibraryName", "MessageStalled",
+           "ProtocolError", "cap_text", "decode", "encode", "exception_info", "from_learner", "read_message",
+           "rebuild_exception", "write_message"]
 
-#: The largest message either side accepts (bytes): the exercises' tensors are a few MB.
-MAX_MESSAGE = 256 << 20
+#: The largest message either side accepts (bytes). The largest an honest notebook makes is 3.7 MB (set 02's
+#: solution: a scenario's record); every solution graded, 2026-12-08. Reading one costs the worker about 50
+#: times its size in memory at worst (a list of empty lists), so this is also what bounds that cost.
+MAX_MESSAGE = 32 << 20
+#: The most values (JSON arrays, objects and commas: an upper bound) a message may hold. Honest: 0.91 million
+#: (the same record of set 02); a list of empty lists of 4 million costs the worker about 0.5 GB to read.
+MAX_ELEMENTS = 4_000_000
+#: The characters kept of a text that comes from the learner's process (an exception's message, a cell's error).
+LEARNER_TEXT = 2000
 
 _HEADER = struct.Struct(">Q")
 _BUILTIN_EXC = {name: obj for name, obj in vars(__import__("builtins")).items()
@@ -46,6 +63,23 @@ _DEPTH = 64
 
 class ProtocolError(Exception):
     """A message that is not what the protocol says (too long, not JSON, cut short, an unknown tag)."""
+
+
+class MessageStalled(ProtocolError):
+    """A message that began and did not arrive whole before its deadline (or a reader that stopped taking one): the
+    other side is stuck or hostile, and the conversation cannot go on."""
+
+
+def cap_text(text: str, limit: int = LEARNER_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were cut: a learner's 20 MB exception message must
+    not end up whole in the table, the CSV and the JSON."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]} ... ({len(text) - limit:,} characters cut)"
+
+
+def _short(value: Any) -> str:
+    """A learner's value quoted in a protocol error, at most 80 characters of its repr."""
+    return cap_text(repr(value), 80)
 
 
 class Learner:
@@ -60,11 +94,12 @@ class Learner:
     def __init__(self, client: Any, name: str, info: dict) -> None:
         self._client = client
         self.name = name
-        self.kind = str(info.get("kind") or "other")
-        self.type_name = str(info.get("type_name") or "object")
-        self.module = info.get("module") if isinstance(info.get("module"), str) else None
-        self.bases = [str(b) for b in info.get("bases") or []]
-        self.own = [str(b) for b in info.get("own") or []]
+        kind = info.get("kind")  # what the sandbox says: bounded here, since messages quote it
+        self.kind = kind if kind in ("function", "class", "callable", "namespace") else "other"
+        self.type_name = cap_text(info.get("type_name") or "object", 100)
+        self.module = cap_text(info["module"], 200) if isinstance(info.get("module"), str) else None
+        self.bases = [cap_text(b, 200) for b in list(info.get("bases") or [])[:1000]]
+        self.own = [cap_text(b, 200) for b in list(info.get("own") or [])[:10_000]]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the learner's function in the sandbox with plain arguments; its plain result comes back."""
@@ -88,19 +123,43 @@ class LibraryName(str):
 
 
 # ------------------------------------------------------------------------------------------ framing
-def write_message(fd: int, message: dict) -> None:
+def _ready(fd: int, write: bool, deadline: float | None) -> bool:
+    """Whether ``fd`` can be read (written) before ``deadline`` (``time.monotonic()``; None: wait for ever)."""
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready = select.select([], [fd], [], left)[1] if write else select.select([fd], [], [], left)[0]
+    return bool(ready)
+
+
+def write_message(fd: int, message: dict, timeout: float | None = None) -> None:
+    """Send ``message``; with ``timeout`` (on a non-blocking ``fd``: the trusted side's), the whole of it within
+    that many seconds, else :class:`MessageStalled` (the reader stopped reading: a learner's code that took the
+    sandbox's end of the pipe)."""
     data = json.dumps(message, separators=(",", ":"), allow_nan=True).encode("utf-8")
     if len(data) > MAX_MESSAGE:
         raise ProtocolError(f"a message of {len(data)} bytes is over the {MAX_MESSAGE} limit")
+    deadline = None if timeout is None else time.monotonic() + timeout
     buf = memoryview(_HEADER.pack(len(data)) + data)
+    total = len(buf)
     while buf:
-        buf = buf[os.write(fd, buf):]
+        try:
+            buf = buf[os.write(fd, buf):]
+        except BlockingIOError:
+            if not _ready(fd, True, deadline):
+                raise MessageStalled(f"it stopped reading: {total - len(buf)} of the {total} bytes of a message "
+                                     f"were taken, then none for {timeout:g} s") from None
 
 
-def _read_exact(fd: int, n: int) -> bytes:
+def _read_exact(fd: int, n: int, deadline: float | None, what: str) -> bytes:
     chunks = []
+    want = n
     while n:
-        chunk = os.read(fd, min(n, 1 << 20))
+        if deadline is not None and not _ready(fd, False, deadline):
+            raise MessageStalled(f"it sent {want - n} of the {want} bytes of {what}, then nothing before the "
+                                 "deadline for a whole message")
+        try:
+            chunk = os.read(fd, min(n, 1 << 20))
+        except BlockingIOError:
+            continue
         if not chunk:
             raise EOFError("the other side closed the pipe")
         chunks.append(chunk)
@@ -108,14 +167,25 @@ def _read_exact(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_message(fd: int) -> dict:
-    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
+def read_message(fd: int, timeout: float | None = None) -> dict:
+    """The next message; with ``timeout`` (the trusted side, once the sandbox's answer has begun to arrive), the
+    whole of it within that many seconds, else :class:`MessageStalled`: a sandbox that sends a header and stalls
+    must not hold the worker until the notebook's own limit. A message over :data:`MAX_MESSAGE` bytes or
+    :data:`MAX_ELEMENTS` values is refused before it is parsed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline, "a message's header"))
     if n > MAX_MESSAGE:
         raise ProtocolError(f"a message of {n} bytes is over the {MAX_MESSAGE} limit")
+    data = _read_exact(fd, n, deadline, "a message")
+    elements = data.count(b"[") + data.count(b"{") + data.count(b",")
+    if elements > MAX_ELEMENTS:
+        raise ProtocolError(f"a message of {elements:,} values or more, over the limit of {MAX_ELEMENTS:,}")
     try:
-        message = json.loads(_read_exact(fd, n).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"a message that is not JSON ({exc})") from exc
+        message = json.loads(data.decode("utf-8"))
+    except MemoryError:
+        raise ProtocolError(f"a message of {n:,} bytes that the grader has not the memory to read") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"a message that is not JSON ({type(exc).__name__}: {cap_text(exc, 200)})") from None
     if not isinstance(message, dict):
         raise ProtocolError("a message that is not a JSON object")
     return message
@@ -145,7 +215,7 @@ def resolve(name: str) -> Any:
     """The library object ``module:qualname`` names, in this process's copy of the library."""
     module, _, qual = str(name).partition(":")
     if _library_name(types.SimpleNamespace(__module__=module, __qualname__=qual or "?")) is None or not qual:
-        raise ProtocolError(f"{name!r} is not a library name")
+        raise ProtocolError(f"{_short(name)} is not a library name")
     obj: Any = importlib.import_module(module)
     for part in qual.split("."):
         obj = getattr(obj, part)
@@ -242,7 +312,7 @@ def decode(value: Any, learner: Any = None, depth: int = 0) -> Any:  # noqa: C90
 
         dtype = getattr(torch, body, None)
         if not isinstance(dtype, torch.dtype):
-            raise ProtocolError(f"unknown dtype {body!r}")
+            raise ProtocolError(f"unknown dtype {_short(body)}")
         return dtype
     if tag == "$tensor" and type(body) is str:
         import torch
@@ -269,12 +339,12 @@ def decode(value: Any, learner: Any = None, depth: int = 0) -> Any:  # noqa: C90
                 owner = resolve(f"{module}:{head}")
                 if isinstance(owner, type) and issubclass(owner, enum.Enum):
                     return owner[member]
-            raise ProtocolError(f"no library object {body!r}") from None
+            raise ProtocolError(f"no library object {_short(body)}") from None
     if tag == "$learner" and type(body) is str and learner is not None:
         return learner(body)
     if tag == "$exc" and type(body) is dict:
         return rebuild_exception(body)
-    raise ProtocolError(f"a value tagged {tag!r} cannot be received here")
+    raise ProtocolError(f"a value tagged {_short(tag)} cannot be received here")
 
 
 # ------------------------------------------------------------------------------------------ exceptions
@@ -298,10 +368,18 @@ def exception_info(exc: BaseException) -> dict:
 
 
 class LearnerError(Exception):
-    """Base of the exceptions rebuilt from the sandbox's."""
+    """Base of the exceptions rebuilt from the sandbox's whose type is not a built-in one kept as it is (and of
+    every ``AssertionError`` the learner's code raised: see :func:`rebuild_exception`)."""
 
 
 _EXC_TYPES: dict[tuple[str, str], type] = {}
+_FROM_LEARNER = "_pagedkv_from_learner"
+
+
+def from_learner(exc: BaseException) -> bool:
+    """Whether ``exc`` was rebuilt from the sandbox's description (the learner's code raised it), rather than
+    raised by the grader's own code (a check's ``AssertionError``)."""
+    return isinstance(exc, LearnerError) or getattr(exc, _FROM_LEARNER, False) is True
 
 
 class NotPlainResult(TypeError):
@@ -313,21 +391,37 @@ def rebuild_exception(info: dict) -> BaseException:
     """An exception made here from :func:`exception_info`'s description: the same type name, a built-in base
     kept (``ValueError`` stays catchable as ``ValueError``), never a ``BaseException`` that is not an
     ``Exception`` (a learner's ``SystemExit`` fails one test case and nothing else), with a last frame that
-    reads like the learner's line, so the checks' "(in f, line 3: return x // 0)" works."""
+    reads like the learner's line, so the checks' "(in f, line 3: return x // 0)" works.
+
+    It is the learner's (:func:`from_learner` says so), and never an ``AssertionError``, whatever the
+    description says: a check's failure is an ``AssertionError`` whose message is the verdict, so a learner's
+    one rebuilt as such would put the learner's text in the verdict's place (a forged "passed", or a formula in
+    the class's CSV). It is a :class:`LearnerError` named ``AssertionError`` instead, which a check's
+    ``except Exception`` reports as "raised AssertionError: ...". Its message is cut to :data:`LEARNER_TEXT`
+    characters, its type's name to 100."""
     name = str(info.get("type") or "Exception")
-    builtin = next((_BUILTIN_EXC[b] for b in info.get("bases") or [] if b in _BUILTIN_EXC
+    bases_named = [b for b in info.get("bases") or [] if isinstance(b, str)]
+    builtin = next((_BUILTIN_EXC[b] for b in bases_named if b in _BUILTIN_EXC
                     and issubclass(_BUILTIN_EXC[b], Exception)), None)
+    if builtin is not None and issubclass(builtin, AssertionError) or name == "AssertionError":
+        builtin = None  # the learner's AssertionError (or a subclass): not the grader's failure type
+    message = cap_text(info.get("message") or "")
     if builtin is not None and builtin.__name__ == name:
-        exc: BaseException = builtin(str(info.get("message") or ""))
+        exc: BaseException = builtin(message)
+        setattr(exc, _FROM_LEARNER, True)
     else:
         key = (name, builtin.__name__ if builtin else "")
         if key not in _EXC_TYPES:
             bases = (builtin, LearnerError) if builtin is not None and builtin is not Exception else (LearnerError,)
-            _EXC_TYPES[key] = type(name if name.isidentifier() else "LearnerError", bases, {"__module__": "__main__"})
-        exc = _EXC_TYPES[key](str(info.get("message") or ""))
+            shown = name if name.isidentifier() and len(name) <= 100 else "LearnerError"
+            _EXC_TYPES[key] = type(shown, bases, {"__module__": "__main__"})
+        exc = _EXC_TYPES[key](message)
     where = info.get("where") or {}
-    fname, line, text = where.get("name"), where.get("line"), str(where.get("text") or "")
-    if not (isinstance(fname, str) and fname.isidentifier() and type(line) is int and 2 <= line < 100_000):
+    if not isinstance(where, dict):
+        return exc
+    fname, line, text = where.get("name"), where.get("line"), cap_text(where.get("text") or "", 200)
+    if not (isinstance(fname, str) and fname.isidentifier() and len(fname) <= 100 and type(line) is int
+            and 2 <= line < 100_000):
         return exc
     filename = f"<learner code: {fname}>"
     lines = ["\n"] * (line - 1) + [text.replace("\n", " ") + "\n"]

@@ -14,7 +14,15 @@ Each sandbox is a bubblewrap (``bwrap``) container, made fresh for one exercise 
   host: no checkout, no class folder, no other clone of the repository.
 - **Limits for the whole sandbox**: a cgroup of its own (v2, else v1's ``memory`` and ``pids``) bounds the
   memory and the processes of everything in it together, where one can be made (as root in a container);
-  rlimits (address space, CPU seconds, file size, processes, no core files) apply in every case.
+  rlimits (address space, CPU seconds, file size, processes, no core files) apply in every case. Where the
+  ``cpu`` controller can be had too (v2's ``cpu``, v1's ``cpu`` and ``cpuacct``), the cgroup caps the sandbox at
+  :attr:`Limits.cpus` CPUs and the scheduler shares the machine between sandboxes, not between their processes
+  (a learner's 150 busy children get one sandbox's share, not 150 times another learner's), and a test case's
+  CPU budget counts the CPU time of every process in the sandbox (:meth:`Sandbox.cpu_seconds`).
+- **Nothing left behind**: the sandbox's folder and cgroups are named after the worker that made them (its pid
+  and start time); a worker killed before it could remove them (the kernel's OOM killer, SIGKILL) has them
+  removed by the next sandbox started on the machine (:func:`sweep_stale`), and ``pagedkv grade`` keeps the
+  folders in the notebook's own temporary folder, which it removes.
 - **No address randomisation** (in the worker too; :func:`same_hashes`).
 
 Where bubblewrap cannot run (:func:`bwrap_problem` says why), ``pagedkv grade --class`` refuses; grading your
@@ -43,7 +51,7 @@ from pathlib import Path
 from pagedkv.grading.limits import Limits
 
 __all__ = ["INSTALL_HINT", "Cgroup", "Sandbox", "bwrap_problem", "close_all", "copy_library", "expand_classes",
-           "hidden_message", "isolation_summary", "lesson_checks", "stub_symbols"]
+           "hidden_message", "isolation_summary", "lesson_checks", "stub_symbols", "sweep_stale"]
 
 def expand_classes(symbols: Iterable[str]) -> list[str]:
     """``symbols`` with each class among them replaced by the functions its own body defines
@@ -331,26 +339,91 @@ def bwrap_problem() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ cgroups
+_PREFIX = "pagedkv-sandbox-"
+_CPU_PERIOD = 100_000  # microseconds: the period of a cgroup's CPU quota
+
+
+def _start_time(pid: int | str) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot: ``/proc/PID/stat``'s 22nd field), which with
+    the pid names one process for good; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _owner_tag() -> str:
+    """``PID-STARTTIME`` of this process: what the names of its sandboxes' folders and cgroups begin with."""
+    return f"{os.getpid()}-{_start_time('self') or 0}"
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether the process that made the folder or cgroup ``name`` (``pagedkv-sandbox-PID-START-...``; before
+    these names, ``pagedkv-sandbox-PID-ID`` for a cgroup) has ended."""
+    parts = name[len(_PREFIX):].split("-")
+    if not name.startswith(_PREFIX) or len(parts) < 2 or not parts[0].isdigit():
+        return False
+    start = _start_time(parts[0])
+    return start is None or len(parts) >= 3 and parts[1].isdigit() and start != parts[1]
+
+
 class Cgroup:
     """A cgroup of its own for one sandbox, bounding the memory and the number of processes of everything in
     it together: cgroup v2 (``memory.max``, ``pids.max``) where this process's cgroup lets it make a child with
     both controllers, else cgroup v1's ``memory`` and ``pids`` hierarchies (as root in a container). ``paths``
-    is empty where neither can be made; the sandbox then relies on rlimits."""
+    is empty where neither can be made; the sandbox then relies on rlimits.
+
+    Where it can, it also caps the CPU (v2: ``cpu.max``; v1: the ``cpu`` hierarchy's ``cpu.cfs_quota_us``) at
+    ``limits.cpus`` CPUs, so that the scheduler shares the machine between sandboxes (each a group of the same
+    weight) rather than between processes, and reads the CPU time of the whole sandbox (v2: ``cpu.stat``'s
+    ``usage_usec``, there even without the ``cpu`` controller; v1: ``cpuacct.usage``): :meth:`cpu_seconds`."""
 
     def __init__(self, limits: Limits) -> None:
         self.paths: list[Path] = []
-        name = f"pagedkv-sandbox-{os.getpid()}-{id(self):x}"
+        self.usage: Path | None = None  # the file holding the whole cgroup's CPU time, where there is one
+        self.cpu_group = False  # a group of its own for the CPU scheduler (the cpu controller)
+        self.cpu_capped = False  # ... with a quota of limits.cpus CPUs
+        name = f"{_PREFIX}{_owner_tag()}-{id(self):x}"
         with contextlib.suppress(OSError):
             self._make_v2(name, limits) or self._make_v1(name, limits)
 
     @staticmethod
     def _own(controller: str) -> str | None:
+        """This process's cgroup in the hierarchy of ``controller`` (v1: ``cpu`` is found in ``cpu,cpuacct``),
+        or in the v2 hierarchy for ``""``."""
         with contextlib.suppress(OSError):
             for line in Path("/proc/self/cgroup").read_text().splitlines():
                 _, names, path = line.split(":", 2)
-                if names.split(",") == [controller] or (controller == "" and names == ""):
+                if (controller in names.split(",")) if controller else names == "":
                     return path
         return None
+
+    @classmethod
+    def parents(cls) -> list[Path]:
+        """The folders in which this process makes its sandboxes' cgroups (v2's and each v1 hierarchy's)."""
+        out = []
+        own = cls._own("")
+        for mount in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+            if own is not None and (mount / "cgroup.controllers").is_file():
+                out.append(mount / own.lstrip("/"))
+        for controller in ("memory", "pids", "cpu", "cpuacct"):
+            path = cls._own(controller)
+            if path is not None:
+                out.append(Path("/sys/fs/cgroup") / controller / path.lstrip("/"))
+        return list(dict.fromkeys(out))
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds used by every process of the cgroup so far (None where it cannot be read)."""
+        if self.usage is None:
+            return None
+        try:
+            text = self.usage.read_text()
+            if self.usage.name == "cpu.stat":
+                return next(int(ln.split()[1]) for ln in text.splitlines() if ln.startswith("usage_usec ")) / 1e6
+            return int(text) / 1e9
+        except (OSError, ValueError, StopIteration, IndexError):
+            return None
 
     def _try(self, path: Path, settings: dict[str, str]) -> bool:
         try:
@@ -376,9 +449,31 @@ class Cgroup:
             with contextlib.suppress(OSError):
                 enabled = (parent / "cgroup.subtree_control").read_text().split()
                 if {"memory", "pids"} <= set(enabled):
-                    return self._try(parent / name, {"memory.max": str(limits.memory), "memory.swap.max": "0",
-                                                     "pids.max": str(limits.processes)})
+                    if not self._try(parent / name, {"memory.max": str(limits.memory), "memory.swap.max": "0",
+                                                     "pids.max": str(limits.processes)}):
+                        return False
+                    if "cpu" in enabled:  # a group of its own already: the cap is on top of that
+                        self.cpu_group = True
+                        self.cpu_capped = self._cap_cpu(parent / name, limits)
+                    self.usage = parent / name / "cpu.stat"
+                    return True
         return False
+
+    @staticmethod
+    def _cap_cpu(path: Path, limits: Limits) -> bool:
+        """Cap the cgroup at ``path`` at ``limits.cpus`` CPUs; False where it cannot be (v1 refuses a quota over
+        its parent's: the sandbox is then a group of its own without a cap of its own, which is what shares
+        the CPU fairly; the parent's cap holds)."""
+        quota = int(limits.cpus * _CPU_PERIOD)
+        try:
+            if (path / "cpu.max").is_file():
+                (path / "cpu.max").write_text(f"{quota} {_CPU_PERIOD}")
+            else:
+                (path / "cpu.cfs_period_us").write_text(str(_CPU_PERIOD))
+                (path / "cpu.cfs_quota_us").write_text(str(quota))
+        except OSError:
+            return False
+        return True
 
     def _make_v1(self, name: str, limits: Limits) -> bool:
         memory, pids = self._own("memory"), self._own("pids")
@@ -389,10 +484,19 @@ class Cgroup:
         settings = {"memory.limit_in_bytes": str(limits.memory)}
         if (mem_dir.parent / "memory.memsw.limit_in_bytes").exists():
             settings["memory.memsw.limit_in_bytes"] = str(limits.memory)
-        if self._try(mem_dir, settings) and self._try(pid_dir, {"pids.max": str(limits.processes)}):
-            return True
-        self.close()
-        return False
+        if not (self._try(mem_dir, settings) and self._try(pid_dir, {"pids.max": str(limits.processes)})):
+            self.close()
+            return False
+        cpu, acct = self._own("cpu"), self._own("cpuacct")  # optional: memory and processes are bounded anyway
+        if cpu is not None:
+            cpu_dir = Path("/sys/fs/cgroup/cpu") / cpu.lstrip("/") / name
+            self.cpu_group = self._try(cpu_dir, {})
+            self.cpu_capped = self.cpu_group and self._cap_cpu(cpu_dir, limits)
+        if acct is not None:
+            acct_dir = Path("/sys/fs/cgroup/cpuacct") / acct.lstrip("/") / name
+            if (acct_dir / "cpuacct.usage").is_file() or self._try(acct_dir, {}):  # cpu,cpuacct: the same one
+                self.usage = acct_dir / "cpuacct.usage"
+        return True
 
     def join(self) -> None:
         """Put the calling process in the cgroup (in the child, before it executes ``bwrap``)."""
@@ -401,21 +505,52 @@ class Cgroup:
 
     def close(self) -> None:
         """Kill every process left in the cgroup and remove it."""
-        for path in self.paths:
-            for _ in range(100):
-                try:
-                    pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
-                except OSError:
-                    break
-                if not pids:
-                    break
-                for pid in pids:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                time.sleep(0.02)
-            with contextlib.suppress(OSError):
-                path.rmdir()
+        _remove_cgroups(self.paths)
         self.paths = []
+        self.usage = None
+
+
+def _remove_cgroups(paths: Iterable[Path], seconds: float = 10.0) -> None:
+    """Kill every process in each cgroup of ``paths`` and remove it, waiting up to ``seconds`` for the processes
+    to be gone (many busy ones in a throttled group take a while to exit; a cgroup with one left cannot be
+    removed)."""
+    paths = list(paths)
+    end = time.monotonic() + seconds
+    left = list(paths)
+    while left:
+        for path in list(left):
+            try:
+                pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                pids = []
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if not pids:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                if not path.exists():
+                    left.remove(path)
+        if not left or time.monotonic() > end:
+            break
+        time.sleep(0.02)
+
+
+def sweep_stale() -> list[Path]:
+    """Remove the sandbox folders (in the temporary folder) and cgroups that a process which has ended left
+    behind: a worker killed by SIGKILL or the kernel's OOM killer cannot remove its own. Only those whose
+    maker (the pid and start time in their names) is gone are touched; returns them."""
+    found: list[Path] = []
+    with contextlib.suppress(OSError):
+        for parent in Cgroup.parents():
+            found += [p for p in parent.glob(f"{_PREFIX}*") if p.is_dir() and _owner_gone(p.name)]
+    _remove_cgroups(found)
+    with contextlib.suppress(OSError):
+        for folder in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+            if _owner_gone(folder.name) and folder.is_dir() and not folder.is_symlink():
+                shutil.rmtree(folder, ignore_errors=True)
+                found.append(folder)
+    return found
 
 
 def isolation_summary() -> str:
@@ -426,6 +561,10 @@ def isolation_summary() -> str:
     group = Cgroup(Limits())
     bound = ("a cgroup bounds memory and processes of the whole sandbox" if group.paths
              else "rlimits bound each process's address space and the uid's processes (no cgroup can be made)")
+    if group.paths:
+        bound += (f", and its CPU at {Limits().cpus:g} CPU (a group of its own: sandboxes share the CPU fairly)"
+                  if group.cpu_capped else ", and makes it a group of its own for the CPU scheduler"
+                  if group.cpu_group else "")
     group.close()
     return f"bubblewrap: fresh user, pid, network, ipc and mount namespaces; {bound}"
 
@@ -445,7 +584,9 @@ def _preexec(limits: Limits, cgroup: Cgroup | None) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if cgroup is not None:
         cgroup.join()
-    for which, value in ((resource.RLIMIT_AS, limits.memory), (resource.RLIMIT_CPU, limits.cpu_seconds),
+    # RLIMIT_DATA: the worker's own (Limits.worker_memory) is inherited; the sandbox has the sandbox's
+    for which, value in ((resource.RLIMIT_AS, limits.memory), (resource.RLIMIT_DATA, limits.memory),
+                         (resource.RLIMIT_CPU, limits.cpu_seconds),
                          (resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, limits.tmpfs),
                          (resource.RLIMIT_NPROC, limits.processes)):
         with contextlib.suppress(ValueError, OSError):
@@ -490,7 +631,8 @@ class Sandbox:
         if problem is not None and self.require:
             raise RuntimeError(f"cannot grade in a sandbox: {problem}")
         self.sandboxed = problem is None
-        self.root = Path(tempfile.mkdtemp(prefix="pagedkv-sandbox-"))
+        sweep_stale()
+        self.root = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{_owner_tag()}-"))
         site = self.root / "site"
         self.missing = copy_library(site, self.references)
         package, _ = _library_sources()
@@ -531,6 +673,7 @@ class Sandbox:
             for fd in (to_r, from_w, info_w):
                 os.close(fd)
         self.fd_to, self.fd_from = to_w, from_r
+        os.set_blocking(to_w, False)  # a request must be taken within a deadline (plain.write_message)
         _LIVE.append(self)
         self._pid = self._read_child_pid(info_r) if self.sandboxed else self.proc.pid
         os.close(info_r)
@@ -549,8 +692,12 @@ class Sandbox:
         return None
 
     def cpu_seconds(self) -> float:
-        """CPU seconds the learner's Python has used (user + system, its threads and the children it waited
-        for), read from ``/proc``; 0 once it has ended."""
+        """CPU seconds the sandbox has used: every process in it (its cgroup's CPU time, where it has one that
+        counts it: children it never waits for count too), else the learner's Python (user + system, its threads
+        and the children it waited for, from ``/proc``); 0 once it has ended."""
+        used = self._cgroup.cpu_seconds() if self._cgroup is not None else None
+        if used is not None:
+            return used
         try:
             with open(f"/proc/{self.pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()

@@ -19,6 +19,13 @@ notebook's time is up. The worker:
    so;
 4. kills the sandbox and everything it started, and goes on with the next exercise;
 5. writes ``{"ok": true, "questions": [...], "cells": [...]}`` (or ``{"ok": false, "error": ...}``) to ``--out``.
+
+The worker parses what the sandboxes send, so it runs under a memory limit of its own (``RLIMIT_DATA``,
+:attr:`Limits.worker_memory`): a learner's reply that would blow it up makes an allocation fail here (a
+``MemoryError``: that test case fails, the sandboxes are closed as usual) instead of exhausting the machine.
+It keeps its sandboxes' folders next to ``--out`` (``pagedkv grade``'s temporary folder for the notebook, which
+``pagedkv grade`` removes even when the worker was killed). Every message of a case or a cell that can carry
+the learner's text is cut to a bounded length (:func:`pagedkv.grading.plain.cap_text`).
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ import inspect
 import json
 import os
 import re
+import resource
 import signal
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -39,11 +48,15 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.grading.limits import DEFAULT_LIMITS, Limits
+from pagedkv.grading.plain import LEARNER_TEXT, cap_text, from_learner
 
 __all__ = ["CELL_KEY", "defined_names", "error_text", "load_tests", "main", "notebook_cells", "number_cells"]
 
 #: The metadata key holding a cell's number (1-based, every cell counted) in older reports.
 CELL_KEY = "pagedkv_cell"
+#: The longest message a test case reports (characters): an honest check's is under 600; longer ones carry the
+#: learner's text (a scenario's record quoted), and are cut.
+CASE_MESSAGE = 4000
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _DEFINES = re.compile(r"^(?:async\s+def|def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
@@ -272,9 +285,10 @@ class Grader:
         if number in self.reports:
             return
         first = next((ln.strip() for ln in original.splitlines() if ln.strip()), "")
+        what["error"] = cap_text(what.get("error") or "", LEARNER_TEXT)  # what the sandbox said: the learner's
         self.reports[number] = {"cell": number, "section": self.sections.get(number, ""),
                                 "first_line": first[:80], "defines": defined_names(original),
-                                "timed_out": False, "seconds": float(self.cell_timeout), "error": "", **what}
+                                "timed_out": False, "seconds": float(self.cell_timeout), **what}
 
     def open(self, references: list[str], program: str | None = None) -> Any:
         """A sandbox that has run the notebook's cells (or, for a kernel exercise, only ``program``: the learner's
@@ -410,17 +424,26 @@ class Grader:
             passed, message = False, str(exc)
         except SandboxDied as exc:  # the check went on after a failure, or the learner's code ended its process
             why = str(exc)
-            passed, message = False, why if "did not return within" in why else \
+            passed, message = False, why if "did not return within" in why or why.startswith("your code") else \
                 f"your code ended the process that runs it: {why}"
         except Exception as exc:  # noqa: BLE001 - a check that breaks on odd learner code still reports
-            passed, message = False, f"{type(exc).__name__}: {exc}"
+            if from_learner(exc):  # the learner's exception that the check let through (never an AssertionError)
+                from pagedkv.grading.checks import where
+
+                message = f"your code raised {type(exc).__name__}: {exc}{where(exc)}"
+            elif isinstance(exc, MemoryError):
+                message = (f"the grader ran out of memory (its limit: {self.limits.worker_memory / (1 << 30):g} GiB) "
+                           "handling what your code sent back: is a result far larger than it should be?")
+            else:
+                message = f"{type(exc).__name__}: {exc}"
+            passed = False
         except BaseException as exc:  # noqa: BLE001 - CallTimeout escaping a check, KeyboardInterrupt
             if isinstance(exc, KeyboardInterrupt) and _CURRENT.get("stopping"):
                 raise
             passed, message = False, f"{type(exc).__name__}: {exc}"
         finally:
             client.end_case()
-        return passed, message
+        return passed, cap_text(message, CASE_MESSAGE)
 
 
 def _cpu_clock() -> float:
@@ -479,6 +502,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=json.loads, default=None, help="the exercises to grade, a JSON list")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_term)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)  # the soft limit only: each sandbox sets its own
+    soft = args.limits.worker_memory if hard == resource.RLIM_INFINITY else min(args.limits.worker_memory, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    # The sandboxes' folders go beside --out: pagedkv grade removes that folder even if this process is killed.
+    tempfile.tempdir = str(Path(args.out).resolve().parent)
     start = time.monotonic()
     try:
         payload = grade(Path(args.notebook), Path(args.autograder), args.limits,
