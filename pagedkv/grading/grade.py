@@ -15,6 +15,16 @@ per-cell limit (the notebook's row names the cell by its heading and first line)
 at ``timeout`` seconds is stopped, with each of its exercises failed as "timed out". When a function "is not
 defined" because the cell defining it raised (a SyntaxError, say) or was interrupted, the failure says so. The
 grader itself does not crash on a learner's notebook, and exits 0 when it graded.
+
+The grader reads a notebook file only when it is a regular file of at most ``Limits.notebook_size`` bytes (16
+MiB; a learner's notebook is well under 1 MiB), opened without blocking and checked again once open
+(:func:`read_notebook`): a named pipe, a device, a socket or an empty file (which is what ``/proc``'s files look
+like) is refused unread, so the grader neither hangs on one nor reads a huge file into memory. For a class
+(``require_sandbox``), a notebook that is a symbolic link is refused too (the last component is opened with
+``O_NOFOLLOW``): it could name a file outside the class folder (another learner's, the solutions, ``/proc/kmsg``).
+A refused notebook is listed with every exercise ``refused`` and the reason, like any other result. The path
+shown for a notebook, and every message that quotes one, is escaped (:func:`pagedkv.grading.output.
+escape_controls`): a file name is the learner's text too.
 """
 
 from __future__ import annotations
@@ -22,8 +32,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -41,6 +51,7 @@ from pagedkv.grading.output import escape_controls
 __all__ = [
     "CaseResult",
     "ExerciseResult",
+    "NotebookRefused",
     "UnknownExercise",
     "NotebookResult",
     "find_autograder",
@@ -48,6 +59,8 @@ __all__ = [
     "format_table",
     "grade_notebook",
     "grade_paths",
+    "notebook_problem",
+    "read_notebook",
     "report_json",
     "unknown_exercises",
 ]
@@ -68,7 +81,7 @@ class ExerciseResult:
     name: str
     score: float
     possible: float
-    status: str  # "passed", "partial", "failed"
+    status: str  # "passed", "partial", "failed", "refused" (the notebook was not read: NotebookRefused)
     message: str  # the first failure ("" when passed)
     cases: list[CaseResult] = field(default_factory=list)
 
@@ -77,7 +90,7 @@ class ExerciseResult:
 class NotebookResult:
     notebook: str  # the path as given
     autograder: str | None
-    status: str  # "graded", "timeout", "error" (the exercises are then all failed)
+    status: str  # "graded", "timeout", "error" (the exercises are then all failed), "refused" (not read)
     score: float
     possible: float
     seconds: float
@@ -91,42 +104,128 @@ class NotebookResult:
 # ------------------------------------------------------------------------------------------ finding files
 def find_notebooks(paths: Iterable[str | Path]) -> tuple[list[Path], list[str]]:
     """Notebooks named by ``paths`` (files, or folders searched recursively), and the paths that were not
-    usable (missing, or not notebooks), as messages."""
+    usable (missing, or not notebooks), as messages.
+
+    Everything named ``*.ipynb`` that is not a folder is a notebook here, a symlink, a named pipe or a device
+    too: :func:`grade_notebook` refuses those with the reason, so that they show in the report instead of being
+    left out silently. A notebook is listed once however often it is named; a symlink and the file it points to
+    are two notebooks (the symlink is refused in a class, so it can never take the place of a learner's file)."""
     found: list[Path] = []
     problems: list[str] = []
     for raw in paths:
         p = Path(raw)
+        shown = escape_controls(str(raw))
         if p.is_dir():
             nbs = sorted(
-                q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts and q.is_file()
+                q for q in p.rglob("*.ipynb")
+                if ".ipynb_checkpoints" not in q.parts and (q.is_symlink() or not q.is_dir())
             )
             if not nbs:
-                problems.append(f"{raw}: no .ipynb notebooks in this folder")
+                problems.append(f"{shown}: no .ipynb notebooks in this folder")
             found.extend(nbs)
-        elif p.is_file() and p.suffix == ".ipynb":
+        elif p.suffix == ".ipynb" and (p.is_symlink() or p.exists()):
             found.append(p)
         elif p.is_file():
-            problems.append(f"{raw}: not a notebook (.ipynb)")
+            problems.append(f"{shown}: not a notebook (.ipynb)")
         else:
-            problems.append(f"{raw}: no such file or folder")
+            problems.append(f"{shown}: no such file or folder")
     unique: list[Path] = []
+    seen: set[Path] = set()
     for p in found:
-        if p.resolve() not in {q.resolve() for q in unique}:
+        key = p.parent.resolve() / p.name  # the folder's symlinks resolved, not the file's own
+        if key not in seen:
+            seen.add(key)
             unique.append(p)
     return unique, problems
 
 
-def _assignment_name(notebook: Path) -> str | None:
+class NotebookRefused(Exception):
+    """A notebook file that the grader does not read (:func:`read_notebook`); the message says why."""
+
+
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+
+
+def _refusal(st: os.stat_result, max_bytes: int) -> str:
+    """Why a file of this ``stat`` is not read as a notebook ("" when it is read)."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"it is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}, not a notebook file"
+    if st.st_size == 0:
+        return "the file is empty (0 bytes)"
+    if st.st_size > max_bytes:
+        return (f"the file is {st.st_size:,} bytes, over the limit of {max_bytes:,} bytes for a notebook (a "
+                "learner's notebook is well under 1 MiB: clear its outputs and hand it in again)")
+    return ""
+
+
+def notebook_problem(path: Path, max_bytes: int = DEFAULT_LIMITS.notebook_size, *,
+                     follow_symlinks: bool = True) -> str:
+    """Why :func:`read_notebook` would refuse ``path``, from its ``stat`` alone ("" when it would read it)."""
     try:
-        meta = json.loads(notebook.read_text(encoding="utf-8", errors="replace")).get("metadata", {})
+        st = os.stat(path, follow_symlinks=follow_symlinks)
+    except OSError as exc:
+        return f"cannot read the notebook: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = escape_controls(os.readlink(path))
+        except OSError:
+            target = "?"
+        return (f"it is a symbolic link (to {target}): a class's notebooks are graded only as files of their own "
+                "in the class folder")
+    return _refusal(st, max_bytes)
+
+
+def read_notebook(path: Path, max_bytes: int = DEFAULT_LIMITS.notebook_size, *, follow_symlinks: bool = True) -> bytes:
+    """The bytes of the notebook file ``path``, or :class:`NotebookRefused` saying why not: anything but a regular
+    file (checked before opening it, so a FIFO or a device is never opened, and again on the open file), an
+    empty file (``/proc``'s files are empty to ``stat``, and reading some of them blocks), a file over
+    ``max_bytes`` (never read: at most ``max_bytes + 1`` bytes are), and, unless ``follow_symlinks``, a
+    symbolic link (opened with ``O_NOFOLLOW``, so one swapped in after the check fails to open)."""
+    problem = notebook_problem(path, max_bytes, follow_symlinks=follow_symlinks)
+    if problem:
+        raise NotebookRefused(problem)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise NotebookRefused(f"cannot read the notebook: {exc.strerror}") from None
+    try:
+        problem = _refusal(os.fstat(fd), max_bytes)
+        if problem:
+            raise NotebookRefused(problem)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise NotebookRefused(f"cannot read the notebook: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        raise NotebookRefused(f"the file is over the limit of {max_bytes:,} bytes for a notebook")
+    return b"".join(chunks)
+
+
+def _assignment_name(notebook: Path, max_bytes: int, follow_symlinks: bool) -> str | None:
+    try:
+        text = read_notebook(notebook, max_bytes, follow_symlinks=follow_symlinks).decode("utf-8", errors="replace")
+        meta = json.loads(text).get("metadata", {})
         name = meta.get("otter", {}).get("assignment_name")
         return name if isinstance(name, str) else None
     except Exception:  # noqa: BLE001 - unreadable notebooks are reported when graded
         return None
 
 
-def find_autograder(notebook: Path, autograder_dir: Path) -> Path | None:
-    """The autograder zip for ``notebook``: same name, else same ``NN_`` prefix, else otter's assignment name."""
+def find_autograder(notebook: Path, autograder_dir: Path, max_bytes: int = DEFAULT_LIMITS.notebook_size, *,
+                    follow_symlinks: bool = True) -> Path | None:
+    """The autograder zip for ``notebook``: same name, else same ``NN_`` prefix, else otter's assignment name
+    (read only from a notebook that :func:`read_notebook` reads, with the same ``max_bytes`` and
+    ``follow_symlinks``)."""
     zips = {z.stem: z for z in sorted(autograder_dir.glob("*.zip"))}
     if notebook.stem in zips:
         return zips[notebook.stem]
@@ -135,7 +234,7 @@ def find_autograder(notebook: Path, autograder_dir: Path) -> Path | None:
         same = [z for stem, z in zips.items() if stem.startswith(m.group(0))]
         if len(same) == 1:
             return same[0]
-    name = _assignment_name(notebook)
+    name = _assignment_name(notebook, max_bytes, follow_symlinks)
     if name and name in zips:
         return zips[name]
     return None
@@ -277,8 +376,8 @@ def _exercise_from_json(q: dict, cells: list[dict] | None = None) -> ExerciseRes
     return ExerciseResult(q["name"], score, possible, status, message, cases)
 
 
-def _all_failed(expected: list[tuple[str, float]], message: str) -> list[ExerciseResult]:
-    return [ExerciseResult(name, 0.0, pts, "failed", message) for name, pts in expected]
+def _all_failed(expected: list[tuple[str, float]], message: str, status: str = "failed") -> list[ExerciseResult]:
+    return [ExerciseResult(name, 0.0, pts, status, message) for name, pts in expected]
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -307,14 +406,19 @@ def grade_notebook(
     shown_as: str | None = None,
     require_sandbox: bool = False,
     only: Iterable[str] | None = None,
+    follow_symlinks: bool | None = None,
 ) -> NotebookResult:
     """Grade one notebook against one autograder zip, on a copy, within ``limits.timeout`` seconds
     (``require_sandbox``: fail it rather than grade it without bubblewrap). ``only``: grade those exercises
     alone (:class:`UnknownExercise` for a name the set does not have); the others are left out of the result,
-    its ``possible`` too, and their checks never run."""
+    its ``possible`` too, and their checks never run. The notebook is read by :func:`read_notebook` (at most
+    ``limits.notebook_size`` bytes; a symlink only if ``follow_symlinks``, by default when not
+    ``require_sandbox``, i.e. not for a class); one it refuses is ``refused``, with the reason."""
     timeout = limits.timeout
     start = time.monotonic()
-    label = shown_as or str(notebook)
+    label = shown_as or escape_controls(str(notebook))
+    if follow_symlinks is None:
+        follow_symlinks = not require_sandbox
     expected = _expected_questions(autograder)
     if only is not None:
         only = list(dict.fromkeys(only))
@@ -326,16 +430,20 @@ def grade_notebook(
 
     def failed(status: str, message: str) -> NotebookResult:
         return NotebookResult(label, str(autograder), status, 0.0, possible, time.monotonic() - start, message,
-                              _all_failed(expected, message))
+                              _all_failed(expected, message, "refused" if status == "refused" else "failed"))
 
+    try:
+        data = read_notebook(notebook, limits.notebook_size, follow_symlinks=follow_symlinks)
+    except NotebookRefused as exc:
+        return failed("refused", f"not graded: {exc}")
     with tempfile.TemporaryDirectory(prefix="pagedkv-grade-") as tmp:
         work = Path(tmp)
-        copy = work / "submission" / notebook.name
+        copy = work / "submission" / escape_controls(notebook.name)  # printable: the worker's argv, its messages
         copy.parent.mkdir()
         try:
-            shutil.copyfile(notebook, copy)
+            copy.write_bytes(data)
         except OSError as exc:
-            return failed("error", f"cannot read the notebook: {exc}")
+            return failed("error", f"cannot copy the notebook: {exc}")
         out = work / "result.json"
         log_path = work / "worker.log"
         cmd = [
@@ -347,7 +455,7 @@ def grade_notebook(
         # the same string hashes in the worker and its sandboxes (builtin_hash answers must match)
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg", PYTHONHASHSEED="0")
         with open(log_path, "wb") as log:
-            from pagedkv.grading.sandbox import same_hashes
+            from pagedkv.grading.sandbox import same_hashes, sweep_stale
 
             proc = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True, preexec_fn=same_hashes)  # noqa: PLW1509
@@ -359,6 +467,7 @@ def grade_notebook(
             finally:
                 if proc.poll() is None:
                     _kill_session(proc)
+                sweep_stale()  # a worker killed (here, or by the OOM killer) cannot remove its sandboxes' cgroups
         if not out.is_file():
             tail = log_path.read_bytes()[-600:].decode("utf-8", errors="replace").strip().splitlines()
             last = tail[-1] if tail else f"exit status {proc.returncode}"
@@ -392,17 +501,24 @@ def grade_paths(
     jobs: int | None = None,
     on_result: Callable[[NotebookResult], None] | None = None,
     only: Iterable[str] | None = None,
+    follow_symlinks: bool | None = None,
 ) -> tuple[list[NotebookResult], list[str]]:
     """Grade every notebook found under ``paths`` (``jobs`` at a time); return the results, in the order
     found, and the problems (paths skipped, notebooks without an autograder). ``only``: the exercises to grade
     (:func:`grade_notebook`); a name that one of the sets found does not have raises :class:`UnknownExercise`
-    before any notebook is graded."""
+    before any notebook is graded. ``follow_symlinks``: grade a notebook that is a symlink (by default only when
+    not ``require_sandbox``, which ``--class`` sets: a class's symlinks are refused)."""
+    if follow_symlinks is None:
+        follow_symlinks = not require_sandbox
     notebooks, problems = find_notebooks(paths)
     work: list[tuple[Path, Path]] = []
     for nb in notebooks:
-        zip_path = find_autograder(nb, autograder_dir)
+        zip_path = find_autograder(nb, autograder_dir, limits.notebook_size, follow_symlinks=follow_symlinks)
         if zip_path is None:
-            problems.append(f"{nb}: no autograder zip for it in {autograder_dir} (expected {nb.stem}.zip)")
+            why = notebook_problem(nb, limits.notebook_size, follow_symlinks=follow_symlinks)
+            problems.append(f"{escape_controls(str(nb))}: " + (
+                f"not graded: {why} (and its file name names no set, so it has no row in a class's CSV)" if why else
+                f"no autograder zip for it in {autograder_dir} (expected {escape_controls(nb.stem)}.zip)"))
         else:
             work.append((nb, zip_path))
     if only is not None:
@@ -416,11 +532,11 @@ def grade_paths(
     def one(item: tuple[Path, Path]) -> NotebookResult:
         nb, zip_path = item
         try:
-            result = grade_notebook(nb, zip_path, limits, shown_as=str(nb), require_sandbox=require_sandbox,
-                                    only=only)
+            result = grade_notebook(nb, zip_path, limits, shown_as=escape_controls(str(nb)),
+                                    require_sandbox=require_sandbox, only=only, follow_symlinks=follow_symlinks)
         except Exception as exc:  # noqa: BLE001 - never let one notebook stop the others
-            result = NotebookResult(str(nb), str(zip_path), "error", 0.0, 0.0, 0.0,
-                                    f"grading failed: {type(exc).__name__}: {exc}")
+            result = NotebookResult(escape_controls(str(nb)), str(zip_path), "error", 0.0, 0.0, 0.0,
+                                    escape_controls(f"grading failed: {type(exc).__name__}: {exc}"))
         if on_result is not None:
             on_result(result)
         return result
@@ -436,9 +552,10 @@ def _fmt_points(x: float) -> str:
 
 
 def _display_path(path: str) -> str:
-    """The path relative to the working folder when it is inside it, else as given."""
+    """The path relative to the working folder when it is inside it, else as given (a symlink's own path, never
+    its target's)."""
     try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+        return str((Path(path).parent.resolve() / Path(path).name).relative_to(Path.cwd().resolve()))
     except ValueError:
         return path
 
