@@ -71,9 +71,10 @@ def test_learner_names_are_read_strictly_from_file_names():
     assert classroom.learner_of(f"c/{FRAG}-anne-marie.ipynb", "c", FRAG) == "anne-marie"
     assert classroom.learner_of(f"c/alice/{FRAG}_v2.ipynb", "c", FRAG) == "alice"
     assert classroom.learner_of(f"c/alice/{FRAG}-bob.ipynb", "c", FRAG) == "alice"  # the folder decides
-    # not "<set>-<learner>.ipynb": a learner of its own name, never alice
-    for name in (f"{FRAG}_alice", f"{FRAG}.alice", f"{FRAG} alice", f"{FRAG}-", FRAG):
-        assert classroom.learner_of(f"c/{name}.ipynb", "c", FRAG) == name
+    # not "<set>-<learner>.ipynb": a learner named after the file, "./NAME.ipynb", which no folder and no
+    # "<set>-<learner>" file can be named: never alice (a planted "alice.ipynb" zeroed her set as a duplicate)
+    for name in (f"{FRAG}_alice", f"{FRAG}.alice", f"{FRAG} alice", f"{FRAG}-", FRAG, "alice"):
+        assert classroom.learner_of(f"c/{name}.ipynb", "c", FRAG) == f"./{name}.ipynb"
 
 
 def test_a_second_notebook_for_a_learner_and_set_replaces_nothing_and_is_reported():
@@ -89,7 +90,7 @@ def test_a_second_notebook_for_a_learner_and_set_replaces_nothing_and_is_reporte
         assert f"c/alice/{FRAG}.ipynb (this exercise 2/2, the set 4/4)" in r["first failure"]
         assert f"c/{FRAG}-alice.ipynb (this exercise 0/2, the set 0/4)" in r["first failure"]
         assert "none counted" in r["first failure"]
-    assert {r["learner"] for r in rows} == {"alice", "bob", f"{FRAG}_alice"}
+    assert {r["learner"] for r in rows} == {"alice", "bob", f"./{FRAG}_alice.ipynb"}
     assert [(r["points"], r["status"]) for r in rows if r["learner"] == "bob"] == [(2.0, "passed"), (0.0, "failed")]
     totals = classroom.learner_totals(rows)
     assert re.search(rf"^alice +0 / 4  \(duplicate submission of {FRAG}: not counted, see the CSV\)$", totals, re.M)
@@ -126,6 +127,16 @@ def test_csv_cells_a_spreadsheet_would_run_as_formulas_get_a_quote(tmp_path):
     assert [r["first failure"] for r in read] == ["'+1+1", "'-2+3", "\\x0d=1+1",
                                                   "'=HYPERLINK(\"http://evil.example\",\"x\")", "fine = ok"]
     assert [r["points"] for r in read] == ["0"] * 5
+
+
+def test_every_csv_cell_is_quoted_for_spreadsheets_that_split_on_semicolons(tmp_path):
+    """Red team, second pass: "x;=1+2" was written bare, and a spreadsheet that splits on ";" read "=1+2" as a
+    cell of its own, a formula. Quoted, it stays one cell of text."""
+    rows = [{"learner": "x;=1+2;=cmd|' -C calc'!A0", "set": FRAG, "exercise": "a", "points": 0.0, "max": 2.0,
+             "status": "failed", "first failure": "a;=1"}]
+    classroom.write_csv(rows, tmp_path / "g.csv")
+    line = (tmp_path / "g.csv").read_text(encoding="utf-8").splitlines()[1]
+    assert line.startswith('"x;=1+2;=cmd|\' -C calc\'!A0","') and line.endswith('"a;=1"'), line
 
 
 # ------------------------------------------------------------------------------------------ H6: names not UTF-8
@@ -227,7 +238,7 @@ def test_class_of_hostile_file_names_grades_everyone_and_writes_the_csv(tmp_path
     rows = list(csv.DictReader(open(tmp_path / "grades.csv", encoding="utf-8")))
     evil_learner = "'" + escape_controls(EVIL_NAME) + "\\xff"
     assert {(r["learner"], r["status"]) for r in rows} == {
-        ("alice", "failed"), (f"{FRAG}_alice", "failed"), (evil_learner, "failed"), ("mallory", "refused"),
+        ("alice", "failed"), (f"./{FRAG}_alice.ipynb", "failed"), (evil_learner, "failed"), ("mallory", "refused"),
         ("sym", "refused"), ("big", "refused")}
     totals = stdout.split("\nlearner ")[-1].splitlines()
     assert len(totals) == 2 + 6 and not any(line.startswith("alice  12") for line in totals), stdout

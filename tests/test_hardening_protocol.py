@@ -245,7 +245,7 @@ def test_a_sandbox_that_stalls_mid_answer_fails_its_case_and_grading_goes_on(tmp
             "    return _h(self, msg)\n"
             "sm.Server.handle = _handle\n")
     payload = _work(tmp_path, _planted(tmp_path, cell), ["blocks_needed", "paged_admission"],
-                    Limits(timeout=600, message_timeout=2.0), timeout=500)
+                    Limits(timeout=600, message_timeout=5.0), timeout=500)
     by_name = {q["name"]: q for q in payload["questions"]}
     stalled = [c["message"] for c in by_name["blocks_needed"]["cases"]]
     assert all("began an answer and stopped in the middle of it" in m for m in stalled), stalled
@@ -326,3 +326,34 @@ def test_a_20_mb_message_in_a_scenarios_record_is_cut_in_the_report(tmp_path):
                     Limits(timeout=600))
     messages = [c["message"] for c in _cases(payload)]
     assert messages and all(len(m) <= 4100 for m in messages), [m[:300] for m in messages]
+
+
+def test_a_set_of_colliding_hashes_or_a_huge_range_is_refused_before_it_is_built():
+    """Red team, second pass: ``{"$set": [k * (2**61 - 1) ...]}`` (every item hashes to 0) made the worker's
+    ``set()`` quadratic, in C, past every time limit (75 s where the limit was 60); a ``$range`` of 10**18 values
+    in a record made a check iterate it. Both are refused in linear time; honest sets and ranges cross."""
+    start = time.process_time()
+    with pytest.raises(plain.ProtocolError, match="distinct hashes"):
+        plain.decode({"$set": [k * (2**61 - 1) for k in range(400_000)]})
+    with pytest.raises(plain.ProtocolError, match="distinct hashes"):
+        plain.decode({"$dict": [[k * (2**61 - 1), 0] for k in range(400_000)]})
+    assert time.process_time() - start < 30  # quadratic: hours; linear: well under a second
+    with pytest.raises(plain.ProtocolError, match="a range of"):
+        plain.decode({"$range": [1, 10**18, 1]})
+    assert plain.decode({"$set": list(range(10_000))}) == set(range(10_000))
+    assert plain.decode({"$dict": [[str(i), i] for i in range(1000)]})["7"] == 7
+    assert plain.decode({"$range": [0, 10, 2]}) == range(0, 10, 2)
+
+
+def test_a_heading_that_names_a_cell_is_cut(tmp_path):
+    """Red team, second pass: a 15 MB "##" heading above cells that raise was quoted whole in every message that
+    names those cells (a 60 MB CSV and a 300 MB JSON from one learner). Headings are cut where they are read."""
+    from pagedkv.grading.worker import SECTION, notebook_cells
+
+    nb = {"cells": [{"cell_type": "markdown", "source": "## " + "x" * 1_000_000},
+                    {"cell_type": "code", "source": "raise ValueError"}], "metadata": {}, "nbformat": 4,
+          "nbformat_minor": 5}
+    path = tmp_path / "n.ipynb"
+    path.write_text(json.dumps(nb))
+    ((_, _, section),) = notebook_cells(path)
+    assert len(section) < SECTION + 50 and section.endswith("characters cut)"), section[:200]

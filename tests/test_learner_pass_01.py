@@ -57,6 +57,17 @@ def test_writing_into_lens_costs_its_point_under_grading(tmp_path: Path) -> None
     }
 
 
+def test_a_replaced_scenario_does_not_hide_the_change(tmp_path: Path) -> None:
+    """A red team's route: the answer that writes into lens, plus a cell replacing the scenario that reports
+    lens with one echoing it unchanged. The sandbox runs each scenario from a fresh copy of its lesson module,
+    so the replacement is never called (it scored 12/12)."""
+    forged = WRITES_INTO_LENS + (
+        "\n\nimport pagedkv.grading.lessons.l01_fragmentation as _L\n"
+        "_L.drive_paged_admission_keeps_lens = lambda fn, lens, *a: {'label': 'x', 'lens': list(lens)}\n"
+    )
+    assert grade_variant(tmp_path, "01_fragmentation", {"paged_admission": forged}) == {"paged_admission": 4.0}
+
+
 def test_a_negative_length_after_the_fcfs_stop_must_be_refused() -> None:
     """Relying on blocks_needed to refuse a negative length misses one that FCFS never reaches."""
     lazy = (

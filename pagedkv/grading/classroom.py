@@ -9,9 +9,10 @@ did, is listed with 0 points and the status ``not submitted``), and the command 
 
 Who a notebook belongs to (:func:`learner_of`) is read strictly: the learner's folder, or for a file directly in
 ``FOLDER`` the text after the set's full name and one ``-`` (``01_fragmentation-alice.ipynb`` is alice's; so is
-``01_fragmentation-anne-marie.ipynb`` anne-marie's). A file named otherwise (``01_fragmentation_alice.ipynb``) is
-listed under its own name as learner (``01_fragmentation_alice``), so that it never counts as another learner's
-work; the instructor sees it in the totals and renames it.
+``01_fragmentation-anne-marie.ipynb`` anne-marie's). A file named otherwise (``01_fragmentation_alice.ipynb``,
+``alice.ipynb``) is listed under its own name as learner, with ``./`` before it (``./alice.ipynb``: no folder and no
+``<set>-<learner>`` file has that name), so that it never counts as another learner's work; the instructor sees it
+in the totals and renames it.
 
 Two notebooks or more of one set for one learner (``alice/01_fragmentation.ipynb`` and
 ``01_fragmentation-alice.ipynb``, or ``alice/01_fragmentation (1).ipynb`` beside the first) are all graded, and
@@ -49,7 +50,8 @@ _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 def learner_of(notebook: str | Path, folder: str | Path, set_name: str | None = None) -> str:
     """The learner a notebook belongs to (escaped: printable, one line): its first folder under ``folder``,
     else what its file name adds to the set's full name and one ``-`` (``01_fragmentation-alice`` -> ``alice``),
-    else its file name without ``.ipynb`` (``01_fragmentation_alice``: a learner of that name, never another's)."""
+    else ``./`` and its file name (``./alice.ipynb``: a name that no folder and no ``<set>-<learner>`` file
+    gives, so that such a file is never counted as another learner's work, nor makes theirs a duplicate)."""
     path = Path(escape_controls(str(notebook)))
     base = Path(escape_controls(str(folder)))
     rel = None
@@ -67,7 +69,7 @@ def learner_of(notebook: str | Path, folder: str | Path, set_name: str | None = 
     prefix = f"{set_name}-"
     if set_name and stem.startswith(prefix) and len(stem) > len(prefix):
         return stem[len(prefix):]
-    return stem
+    return f"./{path.name}"
 
 
 def _points(x: float) -> str:
@@ -125,7 +127,8 @@ def write_csv(rows: list[dict], path: str | Path) -> None:
     """The class's CSV at ``path``, written through a temporary file and a rename (never through a symlink);
     every cell made safe by :func:`csv_cell`."""
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS)
+    # every cell quoted: a spreadsheet that splits on ";" (many locales) keeps "x;=1+2" one cell, not a formula
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, quoting=csv.QUOTE_ALL)
     writer.writeheader()
     for row in rows:
         cells = {**row, "points": _points(row["points"]), "max": _points(row["max"])}

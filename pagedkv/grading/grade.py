@@ -47,6 +47,8 @@ from pathlib import Path
 from pagedkv.grading.build import QUESTIONS_FILE
 from pagedkv.grading.limits import DEFAULT_LIMITS, Limits
 from pagedkv.grading.output import escape_controls
+from pagedkv.grading.plain import cap_text
+from pagedkv.grading.worker import CASE_MESSAGE
 
 __all__ = [
     "CaseResult",
@@ -362,7 +364,8 @@ def _exercise_from_json(q: dict, cells: list[dict] | None = None) -> ExerciseRes
             hidden=c["hidden"],
             points=c["points"],
             passed=c["passed"],
-            message="" if c["passed"] else _explain_undefined(_clean_message(c["message"]), cells),
+            message="" if c["passed"] else cap_text(_explain_undefined(_clean_message(c["message"]), cells),
+                                                    CASE_MESSAGE),
         )
         for c in q["cases"]
     ]

@@ -283,6 +283,19 @@ def encode(value: Any, learner_names: dict[int, str] | None = None, depth: int =
                     "data: numbers, strings, lists, tuples, dicts, sets, ranges, bytes, tensors)")
 
 
+def _distinct_hashes(keys: list[Any]) -> None:
+    """Refuse the keys of a set or dict that share their hashes (``k * (2**61 - 1)`` all hash to 0): building it
+    would take time quadratic in their number, in C, where no time limit can interrupt it. Counting the distinct
+    hashes is linear (a hash is an int that hashes to itself)."""
+    if len(keys) > 64:
+        try:
+            distinct = len({hash(k) for k in keys})
+        except TypeError as exc:  # an unhashable key: what set() would raise
+            raise ProtocolError(f"an unhashable key ({exc})") from None
+        if distinct * 2 < len(keys):
+            raise ProtocolError(f"a set or dict of {len(keys):,} keys with {distinct:,} distinct hashes")
+
+
 def decode(value: Any, learner: Any = None, depth: int = 0) -> Any:  # noqa: C901
     """The value :func:`encode` made; ``learner(name)`` gives the learner's object for ``{"$learner": name}``
     (the sandbox's side; on the trusted side it is None and such a tag is refused)."""
@@ -298,10 +311,16 @@ def decode(value: Any, learner: Any = None, depth: int = 0) -> Any:  # noqa: C90
     body = value[tag]
     if tag in ("$tuple", "$set", "$frozenset") and type(body) is list:
         items = [decode(v, learner, depth + 1) for v in body]
+        if tag != "$tuple":
+            _distinct_hashes(items)
         return {"$tuple": tuple, "$set": set, "$frozenset": frozenset}[tag](items)
     if tag == "$dict" and type(body) is list:
-        return {decode(k, learner, depth + 1): decode(v, learner, depth + 1) for k, v in body}
+        pairs = [(decode(k, learner, depth + 1), decode(v, learner, depth + 1)) for k, v in body]
+        _distinct_hashes([k for k, _ in pairs])
+        return dict(pairs)
     if tag == "$range" and type(body) is list and len(body) == 3 and all(type(x) is int for x in body) and body[2]:
+        if len(range(*body)) > MAX_ELEMENTS:  # a range is iterated like the list it stands for
+            raise ProtocolError(f"a range of {len(range(*body)):,} values, over the limit of {MAX_ELEMENTS:,}")
         return range(*body)
     if tag == "$float" and body in ("nan", "inf", "-inf"):
         return float(body)

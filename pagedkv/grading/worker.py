@@ -57,6 +57,8 @@ CELL_KEY = "pagedkv_cell"
 #: The longest message a test case reports (characters): an honest check's is under 600; longer ones carry the
 #: learner's text (a scenario's record quoted), and are cut.
 CASE_MESSAGE = 4000
+#: The longest heading a message names a cell by (characters): the notebook's markdown is the learner's text.
+SECTION = 120
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _DEFINES = re.compile(r"^(?:async\s+def|def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
@@ -132,7 +134,7 @@ def notebook_cells(path: Path) -> list[tuple[int, str, str]]:
             for line in str(source).splitlines():
                 m = re.match(r"^#{1,6}\s+(.*\S)\s*$", line)
                 if m:
-                    section = re.sub(r"\s*\(\d+(\.\d+)?\s+points?\)\s*$", "", m.group(1))
+                    section = cap_text(re.sub(r"\s*\(\d+(\.\d+)?\s+points?\)\s*$", "", m.group(1)), SECTION)
                     break
         if cell.get("cell_type") != "code":
             continue
