@@ -242,3 +242,18 @@ def test_class_of_hostile_file_names_grades_everyone_and_writes_the_csv(tmp_path
         ("sym", "refused"), ("big", "refused")}
     totals = stdout.split("\nlearner ")[-1].splitlines()
     assert len(totals) == 2 + 6 and not any(line.startswith("alice  12") for line in totals), stdout
+
+
+def test_a_class_folder_swapped_for_a_symlink_is_not_followed(tmp_path):
+    """Red team, second pass: a learner who can write the class folder while it is graded turned their folder
+    into a symlink to the solutions after the listing, and the stub scored 12/12 (O_NOFOLLOW guards the file's
+    own name only). Below the class folder, every folder is now opened without following a symlink."""
+    klass = tmp_path / "class"
+    (klass / "alice").mkdir(parents=True)
+    (klass / "alice" / f"{FRAG}.ipynb").write_text("{}")
+    assert grade.read_notebook(klass / "alice" / f"{FRAG}.ipynb", follow_symlinks=False, root=klass) == b"{}"
+    (klass / "mallory").symlink_to(klass / "alice")  # as if swapped in after the listing
+    with pytest.raises(grade.NotebookRefused, match="a folder between the class folder and the notebook is a "):
+        grade.read_notebook(klass / "mallory" / f"{FRAG}.ipynb", follow_symlinks=False, root=klass)
+    # self-study (or no root): a folder symlink is followed, as before
+    assert grade.read_notebook(klass / "mallory" / f"{FRAG}.ipynb") == b"{}"

@@ -29,6 +29,7 @@ escape_controls`): a file name is the learner's text too.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -178,19 +179,43 @@ def notebook_problem(path: Path, max_bytes: int = DEFAULT_LIMITS.notebook_size, 
     return _refusal(st, max_bytes)
 
 
-def read_notebook(path: Path, max_bytes: int = DEFAULT_LIMITS.notebook_size, *, follow_symlinks: bool = True) -> bytes:
+def _open_below(root: Path, path: Path, flags: int) -> int:
+    """Open ``path`` (lexically below the folder ``root``) one component at a time from ``root``, following no
+    symlink on the way (``O_NOFOLLOW`` at every level, each folder opened relative to the last): a folder of the
+    class swapped for a symlink after it was listed (to the solutions, say) fails to open instead of being
+    followed."""
+    parts = path.relative_to(root).parts
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def read_notebook(path: Path, max_bytes: int = DEFAULT_LIMITS.notebook_size, *, follow_symlinks: bool = True,
+                  root: Path | None = None) -> bytes:
     """The bytes of the notebook file ``path``, or :class:`NotebookRefused` saying why not: anything but a regular
     file (checked before opening it, so a FIFO or a device is never opened, and again on the open file), an
     empty file (``/proc``'s files are empty to ``stat``, and reading some of them blocks), a file over
     ``max_bytes`` (never read: at most ``max_bytes + 1`` bytes are), and, unless ``follow_symlinks``, a
-    symbolic link (opened with ``O_NOFOLLOW``, so one swapped in after the check fails to open)."""
+    symbolic link (opened with ``O_NOFOLLOW``, so one swapped in after the check fails to open); with ``root``
+    (the class folder it was found in), no folder between ``root`` and the file may be a symlink either."""
     problem = notebook_problem(path, max_bytes, follow_symlinks=follow_symlinks)
     if problem:
         raise NotebookRefused(problem)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    below = root is not None and not follow_symlinks
     try:
-        fd = os.open(path, flags)
+        fd = _open_below(root, path, flags) if below else os.open(path, flags)
     except OSError as exc:
+        if below and exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotebookRefused("a folder between the class folder and the notebook is a symbolic link (or became "
+                                  "one while the class was graded): a class's notebooks are graded only as files "
+                                  "of their own in the class folder") from None
         raise NotebookRefused(f"cannot read the notebook: {exc.strerror}") from None
     try:
         problem = _refusal(os.fstat(fd), max_bytes)
@@ -410,13 +435,15 @@ def grade_notebook(
     require_sandbox: bool = False,
     only: Iterable[str] | None = None,
     follow_symlinks: bool | None = None,
+    root: Path | None = None,
 ) -> NotebookResult:
     """Grade one notebook against one autograder zip, on a copy, within ``limits.timeout`` seconds
     (``require_sandbox``: fail it rather than grade it without bubblewrap). ``only``: grade those exercises
     alone (:class:`UnknownExercise` for a name the set does not have); the others are left out of the result,
     its ``possible`` too, and their checks never run. The notebook is read by :func:`read_notebook` (at most
     ``limits.notebook_size`` bytes; a symlink only if ``follow_symlinks``, by default when not
-    ``require_sandbox``, i.e. not for a class); one it refuses is ``refused``, with the reason."""
+    ``require_sandbox``, i.e. not for a class; and, with ``root``, through no symlinked folder below ``root``);
+    one it refuses is ``refused``, with the reason."""
     timeout = limits.timeout
     start = time.monotonic()
     label = shown_as or escape_controls(str(notebook))
@@ -436,7 +463,7 @@ def grade_notebook(
                               _all_failed(expected, message, "refused" if status == "refused" else "failed"))
 
     try:
-        data = read_notebook(notebook, limits.notebook_size, follow_symlinks=follow_symlinks)
+        data = read_notebook(notebook, limits.notebook_size, follow_symlinks=follow_symlinks, root=root)
     except NotebookRefused as exc:
         return failed("refused", f"not graded: {exc}")
     with tempfile.TemporaryDirectory(prefix="pagedkv-grade-") as tmp:
@@ -513,6 +540,7 @@ def grade_paths(
     not ``require_sandbox``, which ``--class`` sets: a class's symlinks are refused)."""
     if follow_symlinks is None:
         follow_symlinks = not require_sandbox
+    paths = list(paths)
     notebooks, problems = find_notebooks(paths)
     work: list[tuple[Path, Path]] = []
     for nb in notebooks:
@@ -532,11 +560,15 @@ def grade_paths(
     if jobs is None:
         jobs = max(1, min(len(work), os.cpu_count() or 1, 4))
 
+    folders = [Path(p) for p in paths if Path(p).is_dir()]  # as the instructor named them (a symlink too)
+
     def one(item: tuple[Path, Path]) -> NotebookResult:
         nb, zip_path = item
+        root = next((f for f in folders if nb.is_relative_to(f)), None)  # the folder it was found in
         try:
             result = grade_notebook(nb, zip_path, limits, shown_as=escape_controls(str(nb)),
-                                    require_sandbox=require_sandbox, only=only, follow_symlinks=follow_symlinks)
+                                    require_sandbox=require_sandbox, only=only, follow_symlinks=follow_symlinks,
+                                    root=root)
         except Exception as exc:  # noqa: BLE001 - never let one notebook stop the others
             result = NotebookResult(escape_controls(str(nb)), str(zip_path), "error", 0.0, 0.0, 0.0,
                                     escape_controls(f"grading failed: {type(exc).__name__}: {exc}"))
