@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "STUB_NOTE",
     "CallTimeout",
+    "all_came_back",
     "describe",
     "drive",
     "expect_close",
@@ -48,6 +49,7 @@ __all__ = [
     "learner_class",
     "require_function",
     "run",
+    "scenario_records",
     "time_limit",
     "where",
 ]
@@ -419,8 +421,10 @@ def drive(scenario: Callable[..., Any], *args: Any, uses: Sequence[str] = (), ti
     - In a check cell (the notebook's kernel) ``args`` hold the learner's real objects and the scenario runs
       here.
     - Under ``pagedkv grade`` the learner's objects are :class:`~pagedkv.grading.plain.Learner` names: the
-      scenario runs in the sandbox, found there by its name in the sandbox's copy of the library, with the
-      learner's objects in place of the names; only plain data crosses, both ways.
+      scenario runs in the sandbox, from a fresh copy of its lesson module in the sandbox's copy of the library
+      (a cell that replaced it there changes nothing), with the learner's objects in place of the names; only
+      plain data crosses, both ways. Check what comes back with :func:`scenario_records` and
+      :func:`all_came_back`: the learner's process could still have shaped it.
 
     ``uses``: library symbols (dotted, ``pagedkv.kv_cache_manager.KVCacheManager._cache_blocks``) the scenario
     composes with the learner's code that may be this exercise's reference; the grader then runs it in a
@@ -446,6 +450,31 @@ def drive(scenario: Callable[..., Any], *args: Any, uses: Sequence[str] = (), ti
     except CallTimeout:
         fail(f"{label} did not finish within {timeout:g} s: is there an infinite loop?")
     return decode(encode(result))  # what grading would see: plain data only
+
+
+def scenario_records(records: Any, label: str = "", *, at_most: int | None = None,
+                     unit: str = "records") -> list[dict]:
+    """``records``, a scenario's list as it came back (:func:`drive`), when it is one: a list of dicts, no more
+    than ``at_most`` (a shorter one ends at a call that raised or ran out of time, which fails its step; count
+    them after the comparisons with :func:`all_came_back`). Anything else fails the case, saying what came back:
+    the scenario runs where the learner's code runs, and a record of another shape did not come from it as the
+    check wrote it."""
+    if not isinstance(records, list) or (at_most is not None and len(records) > at_most) \
+            or not all(isinstance(r, dict) for r in records):
+        expected = f"{at_most} {unit}" if at_most is not None else f"a list of {unit}"
+        fail(f"{label + ': ' if label else ''}the scenario's record is incomplete: it came back as "
+             f"{describe(records, 80)}, expected {expected}")
+    return records
+
+
+def all_came_back(records: list, expected: int, unit: str, label: str = "") -> None:
+    """After the comparisons: fail unless ``records`` held all ``expected`` records. A scenario stops early only
+    at a call that raised or ran out of time, whose record (its last) has failed the case already; a list cut
+    short otherwise came from a scenario that did not run as the check wrote it, and a check compares nothing
+    that is not there."""
+    if len(records) != expected:
+        fail(f"{label + ': ' if label else ''}the scenario's record is incomplete: {len(records)} of {expected} "
+             f"{unit} came back")
 
 
 def _learners_own(value: Any) -> bool:

@@ -32,6 +32,7 @@ from pagedkv.grading.checks import (
     fail,
     format_call,
     require_function,
+    scenario_records,
     where,
 )
 from pagedkv.kv_cache_utils import FreeKVCacheBlockQueue
@@ -691,15 +692,10 @@ STATE_LIMIT = 100_000
 
 def _records(records: Any, name: str) -> list[dict[str, Any]]:
     """``records`` (a scenario's list, as it came back) when it is a list of dicts, each case's ``steps`` (where
-    it has them) a list of dicts too; else the case fails, saying what came back. The scenario runs where the
-    learner's code runs: a record of another shape did not come from it as the check wrote it, and the checks
-    compare nothing that is not there (each also counts what came back: :func:`_compared`, :func:`_paired`)."""
-    def dicts(value: Any) -> bool:
-        return isinstance(value, list) and all(type(x) is dict for x in value)
-
-    if not dicts(records) or not all(dicts(r.get("steps", [])) for r in records):
-        fail(f"{name}: the scenario's record is incomplete: it came back as {describe(records, 80)}, expected a "
-             "list of records")
+    it has them) a list of dicts too (:func:`~pagedkv.grading.checks.scenario_records`); the checks also count
+    what came back (:func:`_compared`, :func:`_paired`)."""
+    for record in scenario_records(records, name):
+        scenario_records(record.get("steps", []), name)
     return records
 
 #: Seconds a scenario may run (CPU seconds under grading, where one test case has 60 in all): what the

@@ -132,21 +132,20 @@ def _refused(record, name: str) -> None:
 
 
 def _cases(record: dict, cases: list, name: str) -> list:
-    """The scenario's per-case records, before the comparisons: a list of dicts, no more than ``cases`` (a
-    shorter one ends with a failure; :func:`_all_seen` counts them after). Anything else did not come from the
-    scenario as the check wrote it: the case fails, saying what came back."""
-    got = record.get("cases")
-    if not isinstance(got, list) or len(got) > len(cases) or not all(isinstance(r, dict) for r in got):
-        _fail(f"the test of {name}: the scenario's record is incomplete: its cases came back as "
-              f"{type(got).__name__} {str(got)[:80]}, expected {len(cases)} records")
-    return got
+    """The scenario's per-case records, before the comparisons: a list of dicts, no more than ``cases``
+    (:func:`~pagedkv.grading.checks.scenario_records`; a shorter one ends with a failure; :func:`_all_seen`
+    counts them after)."""
+    from pagedkv.grading.checks import scenario_records
+
+    return scenario_records(record.get("cases"), f"the test of {name}", at_most=len(cases), unit="records")
 
 
 def _all_seen(record: dict, cases: list, name: str) -> None:
     """After the comparisons: fail unless the scenario's record held every case (a shorter one ends with a
     failure, which has failed the test before this)."""
-    if len(record["cases"]) != len(cases):
-        _fail(f"the test of {name} got {len(record['cases'])} of {len(cases)} cases back from its scenario")
+    from pagedkv.grading.checks import all_came_back
+
+    all_came_back(record["cases"], len(cases), "cases", f"the test of {name}")
 
 
 def _padded(t: torch.Tensor, fill: float, slack: int | None = None) -> torch.Tensor:

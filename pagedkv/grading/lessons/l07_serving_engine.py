@@ -39,12 +39,14 @@ from pagedkv.engine.model_runner import ModelInputs, prepare_inputs
 from pagedkv.engine.tiny_models import TINY_CONFIG, seeded_tiny_model  # the lesson's tiny model, shared
 from pagedkv.grading.checks import (
     CallTimeout,
+    all_came_back,
     describe,
     drive,
     fail,
     format_call,
     is_int,
     require_function,
+    scenario_records,
     time_limit,
     where,
 )
@@ -324,26 +326,14 @@ def _type_slip(value: Any, expected: Any, at: str = "") -> str | None:
     return None
 
 
-def _records(records: Any, expected: int, unit: str) -> list[dict]:
-    """A scenario's list of records, as it came back, when it is one: a list of dicts, no more than ``expected``
-    (a shorter one ends with a raise or a timeout, which fails its step; the check counts them as it goes). Else
-    the case fails, saying what came back: the scenario runs where the learner's code runs, and a record of
-    another shape did not come from it as the check wrote it."""
-    if not isinstance(records, list) or len(records) > expected or not all(isinstance(r, dict) for r in records):
-        fail(f"the scenario's record is incomplete: it came back as {describe(records, 80)}, expected {expected} "
-             f"records of {unit}")
-    return records
-
-
 def _compare_inputs(fn, specs, timeout: float = 30.0) -> None:
     """One scenario over every step of ``specs``, then each step judged here, in order."""
     records = drive(drive_prepare_inputs, fn, list(specs), timeout=timeout, name="prepare_inputs on the steps")
     steps = [step for spec in specs for step in steps_of(spec)]
-    records = _records(records, len(steps), "steps")
-    for i, (so, token_ids, bs) in enumerate(steps):
-        if i >= len(records):
-            fail(f"the scenario's record is incomplete: {len(records)} of {len(steps)} steps came back")
-        _judge_inputs(records[i], so, token_ids, bs)
+    records = scenario_records(records, at_most=len(steps), unit="steps")
+    for record, (so, token_ids, bs) in zip(records, steps, strict=False):
+        _judge_inputs(record, so, token_ids, bs)
+    all_came_back(records, len(steps), "steps")
 
 
 def check_prepare_inputs_example(fn) -> None:
@@ -641,11 +631,10 @@ def _compare_attention(fn, seeds, check_cache: bool = True) -> None:
     seeds = list(seeds)
     records = drive(drive_attention, fn, seeds, timeout=30.0 + ATTENTION_TIMEOUT * len(seeds),
                     name="paged_attention on random steps")
-    records = _records(records, len(seeds), "steps")
-    for i, seed in enumerate(seeds):
-        if i >= len(records):
-            fail(f"the scenario's record is incomplete: {len(records)} of {len(seeds)} steps came back")
-        _judge_attention(records[i], seed, check_cache)
+    records = scenario_records(records, at_most=len(seeds), unit="steps")
+    for record, seed in zip(records, seeds, strict=False):
+        _judge_attention(record, seed, check_cache)
+    all_came_back(records, len(seeds), "steps")
 
 
 def check_attention_random_steps(fn) -> None:

@@ -19,7 +19,17 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv import KVCacheManager, Request
-from pagedkv.grading.checks import STUB_NOTE, describe, drive, expect_equal, fail, require_function, where
+from pagedkv.grading.checks import (
+    STUB_NOTE,
+    all_came_back,
+    describe,
+    drive,
+    expect_equal,
+    fail,
+    require_function,
+    scenario_records,
+    where,
+)
 from pagedkv.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pagedkv.kv_cache_utils import KVCacheBlock, update_block_hashes
 from pagedkv.single_type_kv_cache_manager import SlidingWindowManager
@@ -229,24 +239,6 @@ def drive_sliding_hit(find_longest_sliding_hit, cases) -> list[dict[str, Any]]:
     return records
 
 
-def _records(records: Any, label: str) -> list[dict[str, Any]]:
-    """``records`` (a scenario's list, as it came back) when it is a list of dicts; else the case fails, saying
-    what came back."""
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        fail(f"{label}: the scenario's record is incomplete: it came back as {describe(records, 80)}, expected a "
-             "list of records")
-    return records
-
-
-def _all_came_back(records: list, expected: int, unit: str, label: str) -> None:
-    """After the comparisons: fail unless ``records`` held all ``expected`` records. A scenario stops early only
-    at a call that raised, whose record (its last) has failed the case already; a list cut short or empty
-    otherwise came from a scenario that did not run as the check wrote it, and the checks compare nothing that is
-    not there."""
-    if len(records) != expected:
-        fail(f"{label}: the scenario's record is incomplete: {len(records)} of {expected} {unit} came back")
-
-
 # --------------------------------------------------------------------------------------------------------
 # 2. remove_skipped_blocks
 # --------------------------------------------------------------------------------------------------------
@@ -257,17 +249,18 @@ def _remove_cases(remove_skipped_blocks, cases: list[tuple[int, int, int, list[i
     label = f"remove_skipped_blocks(manager, 'r', n) on {label}"
     got = drive(drive_remove_skipped, remove_skipped_blocks, cases, timeout=5, name=label)
     want = drive_remove_skipped(SlidingWindowManager.remove_skipped_blocks, cases)
-    for (bs, window, prompt, calls), what, mine, ref in zip(cases, whats, _records(got, label), want, strict=False):
+    for (bs, window, prompt, calls), what, mine, ref in zip(cases, whats, scenario_records(got, label), want,
+                                                            strict=False):
         before = mine.get("before")
-        steps = _records(mine.get("steps"), f"{label}, {what}")
+        steps = scenario_records(mine.get("steps"), f"{label}, {what}")
         if not isinstance(before, dict) or not isinstance(before.get("table"), list):
             fail(f"{label}, {what}: the scenario's record is incomplete: the state before the first call came back "
                  f"as {describe(before, 80)}")
         for n, step, expected in zip(calls, steps, ref["steps"], strict=False):
             _remove_step(step, expected, before, bs, window, prompt, n, what)
             before = step
-        _all_came_back(steps, len(calls), "calls", f"{label}, {what}")
-    _all_came_back(got, len(cases), "requests", label)
+        all_came_back(steps, len(calls), "calls", f"{label}, {what}")
+    all_came_back(got, len(cases), "requests", label)
 
 
 def _remove_step(got: dict, want: dict, before: dict, bs: int, window: int, prompt: int, n: int, what: str) -> None:
@@ -374,9 +367,9 @@ def _hit_cases(find_longest_sliding_hit, cases: list[tuple[int, int, int, list[i
     label = f"find_longest_sliding_hit(pool, hashes, ...) on {label}"
     got = drive(drive_sliding_hit, find_longest_sliding_hit, cases, timeout=5, name=label)
     want = drive_sliding_hit(_reference_hit, cases)
-    for case, what, mine, ref in zip(cases, whats, _records(got, label), want, strict=False):
+    for case, what, mine, ref in zip(cases, whats, scenario_records(got, label), want, strict=False):
         _hit_case(case, what, mine, ref)
-    _all_came_back(got, len(cases), "cases", label)
+    all_came_back(got, len(cases), "cases", label)
 
 
 def _hit_case(case, what: str, got: dict, want: dict) -> None:  # noqa: C901 - one hint per known mistake
