@@ -48,8 +48,7 @@ from pathlib import Path
 from pagedkv.grading.build import QUESTIONS_FILE
 from pagedkv.grading.limits import DEFAULT_LIMITS, Limits
 from pagedkv.grading.output import escape_controls
-from pagedkv.grading.plain import cap_text
-from pagedkv.grading.worker import CASE_MESSAGE
+from pagedkv.grading.plain import CASE_MESSAGE, cap_text
 
 __all__ = [
     "CaseResult",

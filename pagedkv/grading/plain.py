@@ -41,9 +41,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LEARNER_TEXT", "MAX_ELEMENTS", "MAX_MESSAGE", "Learner", "LearnerError", "LibraryName", "MessageStalled",
-           "ProtocolError", "cap_text", "decode", "encode", "exception_info", "from_learner", "read_message",
-           "rebuild_exception", "write_message"]
+__all__ = ["CASE_MESSAGE", "LEARNER_TEXT", "MAX_ELEMENTS", "MAX_MESSAGE", "Learner", "LearnerError", "LibraryName",
+           "MessageStalled", "ProtocolError", "cap_text", "decode", "encode", "exception_info", "from_learner",
+           "read_message", "rebuild_exception", "write_message"]
 
 #: The largest message either side accepts (bytes). The largest an honest notebook makes is 3.7 MB (set 02's
 #: solution: a scenario's record); every solution graded, 2026-12-08. Reading one costs the worker about 50
@@ -54,6 +54,9 @@ MAX_MESSAGE = 32 << 20
 MAX_ELEMENTS = 4_000_000
 #: The characters kept of a text that comes from the learner's process (an exception's message, a cell's error).
 LEARNER_TEXT = 2000
+#: The longest message a test case reports (characters): an honest check's is under 600; longer ones carry the
+#: learner's text (a scenario's record quoted), and are cut.
+CASE_MESSAGE = 4000
 
 _HEADER = struct.Struct(">Q")
 _BUILTIN_EXC = {name: obj for name, obj in vars(__import__("builtins")).items()
@@ -319,9 +322,10 @@ def decode(value: Any, learner: Any = None, depth: int = 0) -> Any:  # noqa: C90
         _distinct_hashes([k for k, _ in pairs])
         return dict(pairs)
     if tag == "$range" and type(body) is list and len(body) == 3 and all(type(x) is int for x in body) and body[2]:
-        if len(range(*body)) > MAX_ELEMENTS:  # a range is iterated like the list it stands for
-            raise ProtocolError(f"a range of {len(range(*body)):,} values, over the limit of {MAX_ELEMENTS:,}")
-        return range(*body)
+        values = range(*body)
+        if len(values) > MAX_ELEMENTS:  # a range is iterated like the list it stands for
+            raise ProtocolError(f"a range of {len(values):,} values, over the limit of {MAX_ELEMENTS:,}")
+        return values
     if tag == "$float" and body in ("nan", "inf", "-inf"):
         return float(body)
     if tag == "$bytes" and type(body) is str:

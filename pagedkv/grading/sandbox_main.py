@@ -43,7 +43,6 @@ __all__ = ["main"]
 _MISSING = object()
 
 
-
 #: The lesson modules' folder in this copy of the library, and the tools to run one, taken when this module is
 #: imported: before any cell of the learner's runs.
 _LESSONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lessons")
@@ -59,14 +58,15 @@ def _fresh_scenario(name: str) -> Any:
     back, whole, with the library's record.)"""
     module, _, qual = name.partition(":")
     short = module.rpartition(".")[2]
-    if module != f"pagedkv.grading.lessons.{short}" or not short.isidentifier() or "." in qual:
+    if module != f"pagedkv.grading.lessons.{short}" or not short.isidentifier() or not qual.startswith("drive_") \
+            or "." in qual:
         raise ProtocolError(f"{name!r} is not a scenario")
+    path = os.path.join(_LESSONS, f"{short}.py")
     if module not in _CODE:
-        path = os.path.join(_LESSONS, f"{short}.py")
         with _open(path, encoding="utf-8") as f:
             _CODE[module] = _compile(f.read(), path, "exec")
     fresh = _module_type(module)
-    fresh.__file__ = os.path.join(_LESSONS, f"{short}.py")
+    fresh.__file__ = path
     _exec(_CODE[module], fresh.__dict__)
     return getattr(fresh, qual)
 
@@ -178,8 +178,6 @@ class Server:
             from pagedkv.grading import checks
 
             name = str(msg.get("scenario"))
-            if not name.startswith("pagedkv.grading.lessons.") or not name.partition(":")[2].startswith("drive_"):
-                raise ProtocolError(f"{name!r} is not a scenario")
             scenario = _fresh_scenario(name)
             args = decode(msg.get("args") or [], self.learner)
             checks.cpu_clock = time.process_time  # the scenario's limit counts this process's CPU seconds

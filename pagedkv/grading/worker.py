@@ -48,15 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.grading.limits import DEFAULT_LIMITS, Limits
-from pagedkv.grading.plain import LEARNER_TEXT, cap_text, from_learner
+from pagedkv.grading.plain import CASE_MESSAGE, LEARNER_TEXT, cap_text, from_learner
 
 __all__ = ["CELL_KEY", "defined_names", "error_text", "load_tests", "main", "notebook_cells", "number_cells"]
 
 #: The metadata key holding a cell's number (1-based, every cell counted) in older reports.
 CELL_KEY = "pagedkv_cell"
-#: The longest message a test case reports (characters): an honest check's is under 600; longer ones carry the
-#: learner's text (a scenario's record quoted), and are cut.
-CASE_MESSAGE = 4000
 #: The longest heading a message names a cell by (characters): the notebook's markdown is the learner's text.
 SECTION = 120
 
