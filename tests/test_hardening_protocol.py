@@ -67,6 +67,14 @@ def _cases(payload: dict) -> list[dict]:
     return [c for q in payload["questions"] for c in q["cases"]]
 
 
+def _server_answering(when: str, *body: str) -> str:
+    """The cell of a learner who owns the sandbox's server: requests ``msg`` for which ``when`` holds get
+    ``body`` (lines, run in the handler's place); the others go to the real handler."""
+    return "\n".join(["import pagedkv.grading.sandbox_main as sm", "_h = sm.Server.handle",
+                      "def _handle(self, msg):", f"    if {when}:", *(f"        {line}" for line in body),
+                      "    return _h(self, msg)", "sm.Server.handle = _handle", ""])
+
+
 def _pipe_reader(chunks: list[bytes], pause_after: bool = False) -> tuple[int, threading.Thread]:
     """A pipe's read end, and a thread writing ``chunks`` into it (and, with ``pause_after``, keeping it open)."""
     r, w = os.pipe()
@@ -104,12 +112,8 @@ def test_a_learners_assertion_error_is_never_the_checks_own_failure():
 def test_a_forged_assertion_error_reads_as_the_learners_exception(tmp_path):
     """Red team H3: the sandbox answers the ``names`` request with AssertionError(<a CSV formula>); it used to be
     the case's whole message, as if the check had said it."""
-    cell = ("import pagedkv.grading.sandbox_main as sm\n_h = sm.Server.handle\n"
-            "def _handle(self, msg):\n"
-            "    if msg.get('op') == 'names':\n"
-            "        raise AssertionError('=HYPERLINK(\"http://evil.example\",\"award full marks\")')\n"
-            "    return _h(self, msg)\n"
-            "sm.Server.handle = _handle\n")
+    cell = _server_answering("msg.get('op') == 'names'",
+                             "raise AssertionError('=HYPERLINK(\"http://evil.example\",\"award full marks\")')")
     payload = _work(tmp_path, _planted(tmp_path, cell), ["blocks_needed"], Limits(timeout=300))
     messages = [c["message"] for c in _cases(payload)]
     assert messages and all(m.startswith("your code raised AssertionError: =HYPERLINK(") for m in messages), messages
@@ -137,12 +141,7 @@ def test_the_worker_has_a_memory_limit_of_its_own(tmp_path):
     """Red team H8: a ``names`` reply of 1.9 million empty lists (6 MB, under both message limits) costs about
     0.3 GB to read; under a worker limit of 250 MiB (set 01's worker needs 0.1) the allocation fails in the
     worker, which reports the case as failed and goes on (it had no limit: 30 MB of them took 1.44 GiB)."""
-    cell = ("import pagedkv.grading.sandbox_main as sm\n_h = sm.Server.handle\n"
-            "def _handle(self, msg):\n"
-            "    if msg.get('op') == 'names':\n"
-            "        return {'value': [[]] * 1_900_000}\n"
-            "    return _h(self, msg)\n"
-            "sm.Server.handle = _handle\n")
+    cell = _server_answering("msg.get('op') == 'names'", "return {'value': [[]] * 1_900_000}")
     payload = _work(tmp_path, _planted(tmp_path, cell), ["blocks_needed"], Limits(timeout=300,
                                                                                   worker_memory=250 << 20))
     messages = [c["message"] for c in _cases(payload)]
@@ -236,14 +235,9 @@ def test_a_sandbox_that_stalls_mid_answer_fails_its_case_and_grading_goes_on(tmp
     """Red team H9: the sandbox answers a call of blocks_needed with a header and one byte, then idles. It used
     to hold the worker until the notebook's limit (every exercise 'timed out'); now each such case fails at the
     message deadline, the sandbox is replaced, and paged_admission (not attacked) passes."""
-    cell = ("import os, struct, pagedkv.grading.sandbox_main as sm\n_w = sm.write_message\n_h = sm.Server.handle\n"
-            "def _handle(self, msg):\n"
-            "    if msg.get('op') == 'call' and msg.get('name') == 'blocks_needed':\n"
-            "        os.write(self.fd_out, struct.pack('>Q', 1000) + b'{')\n"
-            "        import time\n"
-            "        time.sleep(3600)\n"
-            "    return _h(self, msg)\n"
-            "sm.Server.handle = _handle\n")
+    cell = _server_answering("msg.get('op') == 'call' and msg.get('name') == 'blocks_needed'",
+                             "import os, struct, time", "os.write(self.fd_out, struct.pack('>Q', 1000) + b'{')",
+                             "time.sleep(3600)")
     payload = _work(tmp_path, _planted(tmp_path, cell), ["blocks_needed", "paged_admission"],
                     Limits(timeout=600, message_timeout=5.0), timeout=500)
     by_name = {q["name"]: q for q in payload["questions"]}
@@ -304,12 +298,9 @@ def test_a_learners_message_is_cut_where_it_is_rebuilt():
 def test_a_20_mb_exception_message_does_not_reach_the_report_whole(tmp_path):
     """Red team H11: the sandbox says a call raised ValueError('A' * 20_000_000) (the sandbox's own description
     cuts at 4,000 characters, but the learner's code writes the answer); each case's message is cut."""
-    cell = ("import pagedkv.grading.sandbox_main as sm\n_h = sm.Server.handle\n"
-            "def _handle(self, msg):\n"
-            "    if msg.get('op') == 'call':\n"
-            "        return {'raised': {'type': 'ValueError', 'bases': ['ValueError'], 'message': 'A' * 20_000_000}}\n"
-            "    return _h(self, msg)\n"
-            "sm.Server.handle = _handle\n")
+    cell = _server_answering(
+        "msg.get('op') == 'call'",
+        "return {'raised': {'type': 'ValueError', 'bases': ['ValueError'], 'message': 'A' * 20_000_000}}")
     payload = _work(tmp_path, _planted(tmp_path, cell), ["blocks_needed"], Limits(timeout=300))
     messages = [c["message"] for c in _cases(payload)]
     assert messages and all(len(m) <= 4100 and "characters cut" in m for m in messages), [m[:300] for m in messages]
