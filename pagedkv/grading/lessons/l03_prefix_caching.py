@@ -27,6 +27,7 @@ from pagedkv import BlockPool, KVCacheManager, Request
 from pagedkv.grading.checks import (
     STUB_NOTE,
     CallTimeout,
+    all_came_back,
     describe,
     drive,
     fail,
@@ -34,6 +35,7 @@ from pagedkv.grading.checks import (
     learner_class,
     own_frame,
     require_function,
+    scenario_records,
     time_limit,
     where,
 )
@@ -290,9 +292,11 @@ def _drive(scenario, *args, kind: type = dict, **options) -> Any:
     a record of another kind did not come from it as the check wrote it; the case fails, saying what came back
     (the checks then find every observation they compare, or fail: :func:`_at`, :func:`_incomplete`)."""
     record = _plainly(drive(scenario, *args, **options))
-    if not isinstance(record, kind) or (kind is list and not all(type(r) is dict for r in record)):
-        _incomplete(options.get("name") or scenario.__name__,
-                    f"it came back as {describe(record, 80)}, expected a {kind.__name__} of records")
+    label = options.get("name") or scenario.__name__
+    if kind is list:
+        return scenario_records(record, label)
+    if not isinstance(record, kind):
+        _incomplete(label, f"it came back as {describe(record, 80)}, expected a {kind.__name__} of records")
     return record
 
 
@@ -1110,8 +1114,7 @@ def _compare_workloads(mine, ref, part):
                 fail(f"after a decode step of {want['rid']!r}, {_cached_diff(got['cached'], want['cached'])}")
         elif want["op"] == "free" and isinstance(alloc, dict):
             fail(_said(alloc))
-    if len(mine) != len(ref):
-        _incomplete("the random workloads", f"{len(mine)} of {len(ref)} steps came back")
+    all_came_back(mine, len(ref), "steps", "the random workloads")
 
 
 def _cached_diff(got, want):
@@ -1520,9 +1523,8 @@ def check_eviction_hidden(EvictingBlockPool):
             fail(_said(got_trial["failed"]))
         n = want_trial["n"]
         history: list[str] = []
-        steps = got_trial.get("steps")
-        if not isinstance(steps, list) or not all(type(x) is dict for x in steps):
-            _incomplete("the random pool operations", f"a trial's steps came back as {describe(steps, 80)}")
+        steps = scenario_records(got_trial.get("steps"), "the random pool operations", at_most=len(want_trial["steps"]),
+                                 unit="steps")
         for got, want in zip(steps, want_trial["steps"], strict=False):
             if want["op"] is not None:
                 history.append(want["op"])
@@ -1557,10 +1559,7 @@ def check_eviction_hidden(EvictingBlockPool):
                     fail(f"random operations on a pool of {n} blocks: after {recent}: {why}")
         if len(steps) < len(want_trial["steps"]):
             fail(f"random operations on a pool of {n} blocks stopped early, after {'; '.join(history[-6:])}")
-        if len(steps) > len(want_trial["steps"]):
-            _incomplete("the random pool operations", f"{len(steps)} steps came back for {len(want_trial['steps'])}")
-    if len(mine) != len(ref):
-        _incomplete("the random pool operations", f"{len(mine)} of {len(ref)} trials came back")
+    all_came_back(mine, len(ref), "trials", "the random pool operations")
 
 
 # --------------------------------------------------------------------------------------------------------
