@@ -89,3 +89,13 @@ class SourceNotebook:
             else:
                 results.append((q, hidden, True, ""))
         return results
+
+    def failures(self, question: str, answer: str) -> list[str]:
+        """The public test cells of ``question`` run with ``answer`` in its solution cell: their failure messages."""
+        return [msg for _, _, ok, msg in self.grade({question: answer}, only={question}, public_only=True) if not ok]
+
+
+def changed(src: str, old: str, new: str) -> str:
+    """``src`` with ``old`` (which must be there) replaced by ``new``: a planted mistake."""
+    assert old in src, old
+    return src.replace(old, new)

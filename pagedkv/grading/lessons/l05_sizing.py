@@ -120,6 +120,10 @@ def _page_mistakes(config: dict[str, Any], block_size: int, kv_cache_dtype: Any)
                     "a config), not 2", "auto"))  # fmt: skip
     if kv_cache_dtype == "fp8":
         out.append((right * 2, "fp8 stores 1 byte per value", "fp8"))
+    if isinstance(kv_cache_dtype, torch.dtype):
+        for wrong in (2, sizing.resolve_kv_cache_dtype("auto", shape.dtype).itemsize):
+            out.append((right // nbytes * wrong, f"kv_cache_dtype is a torch.dtype here, {describe(kv_cache_dtype)}: "
+                        f"its itemsize, {nbytes}, is the bytes per value", "torch dtype"))
     single = [(v, m, k) for v, m, k in out if v != right]
     # two mistakes at once: each is a factor of the right page, so their product is the answer with both
     pairs = []
@@ -155,9 +159,44 @@ _KEY_ERROR = re.compile(r"raised KeyError: '([^']*)'")  # one pair of quotes, in
 _NONE_TYPE = re.compile(r"raised TypeError: .*'NoneType'")
 
 
+#: The KV cache dtypes the exercise names, and the config keys a config may leave out.
+_DTYPE_NAMES = ("fp16", "bf16", "fp32", "fp8")
+_OPTIONAL_KEYS = ("num_key_value_heads", "head_dim", "dtype")
+
+
+def _key_error_hint(key: str, config: dict[str, Any], kv_cache_dtype: Any) -> str | None:
+    """Why ``KeyError: key`` was raised, as a hint: a config key that may be missing, or a dtype name that a
+    table of bytes per value left out; None when the key is neither."""
+    if key in _OPTIONAL_KEYS and key not in config:
+        if key == "dtype":
+            return ("this config has no 'dtype': with kv_cache_dtype='auto' that means float32 (4 bytes); read it "
+                    "with config.get('dtype')")
+        return (f"this config has no {key!r}: a config may leave out num_key_value_heads and head_dim (or set them "
+                "to None); read them with config.get(...) and fall back as the exercise says")
+    if isinstance(kv_cache_dtype, str) and key == kv_cache_dtype and key in _DTYPE_NAMES:
+        return (f"{key!r} is one of the KV cache dtypes the exercise names ({', '.join(map(repr, _DTYPE_NAMES))}): "
+                "your table of bytes per value has no entry for it")
+    if kv_cache_dtype == "auto" and key == (config.get("dtype") or "float32"):
+        which = "the config's dtype" if config.get("dtype") else "float32 when the config has no dtype"
+        return (f"kv_cache_dtype='auto' means {which}, {key!r} here: your table of bytes per value has no entry for "
+                f"it (getattr(torch, {key!r}).itemsize gives its bytes)")
+    return None
+
+
+def _valid_dtype_hint(kv_cache_dtype: Any) -> str | None:
+    """A hint for a call that raised although ``kv_cache_dtype`` is one the exercise accepts, else None."""
+    if isinstance(kv_cache_dtype, torch.dtype):
+        return (f"kv_cache_dtype may be any torch.dtype: {describe(kv_cache_dtype)} takes its itemsize, "
+                f"{kv_cache_dtype.itemsize} byte{'s' * (kv_cache_dtype.itemsize != 1)} per value")
+    if kv_cache_dtype == "auto" or kv_cache_dtype in _DTYPE_NAMES:
+        return f"{kv_cache_dtype!r} is a KV cache dtype the exercise accepts: raise ValueError only for other ones"
+    return None
+
+
 def _run_on_config(fn: Callable, args: tuple, name: str, timeout: float, shown: str | None = None) -> Any:
-    """``run``, with a KeyError on the config explained (the key may be missing, or None, in a real config),
-    and the call shown as ``shown`` (the config with only the fields sizing reads)."""
+    """``run``, with a KeyError on the config explained (the key may be missing, or None, in a real config; or a
+    dtype left out of a table of sizes), and the call shown as ``shown`` (the config with only the fields sizing
+    reads)."""
     try:
         return run(fn, copy.deepcopy(args), name=name, timeout=timeout)  # a copy: what it changes stays there
     except AssertionError as exc:
@@ -165,11 +204,13 @@ def _run_on_config(fn: Callable, args: tuple, name: str, timeout: float, shown: 
         cut = min((i for i in (text.find(" raised "), text.find(" did not return within ")) if i >= 0), default=-1)
         if shown is not None and cut >= 0:
             text = shown + text[cut:]
+        dtype = args[-1]  # kv_cache_dtype is the last argument of both functions checked here
         m = _KEY_ERROR.search(text)
         if m is not None:
-            key = m.group(1)
-            fail(f"{text}. Hint: this config has no {key!r}: a config may leave out num_key_value_heads and "
-                 "head_dim (or set them to None); read them with config.get(...) and fall back as the exercise says")
+            hint = _key_error_hint(m.group(1), args[0], dtype)
+            fail(f"{text}. Hint: {hint}" if hint is not None else text)
+        if " raised ValueError" in text and _valid_dtype_hint(dtype) is not None:
+            fail(f"{text}. Hint: {_valid_dtype_hint(dtype)}")
         nulls = [k for k in ("num_key_value_heads", "head_dim") if k in args[0] and args[0][k] is None]
         if nulls and _NONE_TYPE.search(text):
             fail(f"{text}. Hint: this config sets {' and '.join(nulls)} to None (transformers writes null when the "
@@ -196,7 +237,8 @@ def check_kv_page_bytes_published(kv_page_bytes: Any) -> None:
     """The three published shapes, in their own dtype and in FP8 (1 point)."""
     require_function(kv_page_bytes, "kv_page_bytes")
     ruled_out: set[str] = set()
-    for config in PUBLISHED.values():
+    # Llama-2-7B once more, with num_key_value_heads written as null (missing OR None: every head is a KV head)
+    for config in (*PUBLISHED.values(), {**PUBLISHED["Llama-2-7B"], "num_key_value_heads": None}):
         for block_size in (16, 1, 32):
             for dtype in ("auto", "fp8"):
                 _check_page(kv_page_bytes, config, block_size, dtype, ruled_out)
@@ -274,7 +316,17 @@ def _check_blocks(num_gpu_blocks: Callable, args: tuple) -> None:
     names = ("total", "utilization", "weights", "peak_activation", "non_torch", "cudagraph", "page_bytes",
              "num_layers")  # fmt: skip
     call = "num_gpu_blocks(" + ", ".join(f"{n}={a!r}" for n, a in zip(names, args, strict=True)) + ")"
-    got = run(num_gpu_blocks, args, name="num_gpu_blocks", timeout=2)
+    try:
+        got = run(num_gpu_blocks, args, name="num_gpu_blocks", timeout=2)
+    except AssertionError as exc:
+        text = str(exc)
+        if " raised ValueError" not in text:
+            raise
+        text = call + text[text.find(" raised "):]
+        if args[1] == 1:
+            fail(f"{text}. Hint: utilization 1.0 is allowed: the range is (0, 1], 1 included")
+        fail(f"{text}. Hint: this call is valid (utilization in (0, 1], no negative figure, memory left for the "
+             f"cache: {math.ceil(args[0] * args[1]) - sum(args[2:6])} bytes): it should return a block count")
     _expect_int(got, expected_blocks(*args), call, _blocks_mistakes(*args))
 
 
@@ -426,6 +478,9 @@ def _check_prediction(predict: Callable, args: tuple) -> None:
                                  "values?"),
         (blocks(peak=0), "subtract the peak activations too (estimate_peak_activation(config, "
                          "max_num_batched_tokens))"),
+        *[(blocks(peak=sizing.estimate_peak_activation(config, n)),
+           f"that is the count with the activations of a batch of {n} tokens: pass max_num_batched_tokens "
+           f"({tokens}) on to estimate_peak_activation") for n in (4096, block_size) if n != tokens],
         *_blocks_mistakes(total, util, weights, peak, 0, 0, page, layers),
     ]  # fmt: skip
     seen: set[int] = set()

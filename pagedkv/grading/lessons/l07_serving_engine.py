@@ -239,13 +239,40 @@ def drive_prepare_inputs(fn, specs) -> list:
     return records
 
 
+def _changed_arguments(so, token_ids, before: tuple) -> str | None:
+    """What a call changed in its arguments, ``before`` being (:func:`scheduler_output_fields` of ``so``, a copy
+    of ``token_ids``) as they were: the first field that differs, as text, or None."""
+    try:
+        fields, tokens = before
+        after = scheduler_output_fields(so)
+        for name, value in fields.items():
+            if after.get(name) != value:
+                return (f"scheduler_output.{name} was {describe(value, 120)} before the call, "
+                        f"{describe(after.get(name), 120)} after it")
+        for rid, ids in tokens.items():
+            now = token_ids.get(rid) if isinstance(token_ids, dict) else None
+            if now != ids:
+                return f"token_ids[{rid!r}] was {describe(ids, 120)} before the call, {describe(now, 120)} after it"
+        if isinstance(token_ids, dict) and set(token_ids) != set(tokens):
+            return f"token_ids had the keys {sorted(tokens)} before the call, {sorted(map(str, token_ids))} after it"
+    except Exception as exc:  # noqa: BLE001 - a scheduler output the call left unreadable
+        return f"the scheduler output could not be read after the call ({type(exc).__name__}: {exc})"
+    return None
+
+
 def call_prepare(fn, so, token_ids, block_size: int, limit: float) -> dict:
     """One call of ``fn`` (the learner's ``prepare_inputs``) within ``limit`` seconds: what it returned
-    (:func:`observe_inputs`), or a raise / timeout record."""
+    (:func:`observe_inputs`), with ``"changed"`` when the call changed its arguments (:func:`_changed_arguments`),
+    or a raise / timeout record."""
+    before = (scheduler_output_fields(so), copy.deepcopy(token_ids))
     try:
         with time_limit(limit, "prepare_inputs"):
             got = fn(so, token_ids, block_size)
-        return observe_inputs(got)
+        record = observe_inputs(got)
+        changed = _changed_arguments(so, token_ids, before)
+        if changed is not None:
+            record["changed"] = changed
+        return record
     except CallTimeout:
         return {"timeout": True}
     except Exception as exc:  # noqa: BLE001 - the learner's code raised: a record
@@ -282,9 +309,9 @@ def _first_difference(name: str, value: list, expected: list, want) -> str:
     return f"it first differs at entry {i}: {describe(value[i], 80)}, expected {describe(expected[i], 80)}"
 
 
-def _judge_inputs(record: dict, so, token_ids, bs) -> None:
+def _judge_inputs(record: dict, so, token_ids, bs, check_arguments: bool = True) -> None:
     """Fail unless ``record`` (what the learner's ``prepare_inputs`` returned for this step) is the library's
-    answer for it, computed here."""
+    answer for it, computed here, and (``check_arguments``) the call left its arguments as they were."""
     want = prepare_inputs(so, token_ids, bs)
     shown = f"prepare_inputs(scheduler_output, token_ids, {bs}) for the step {_describe_step(so, bs)}"
     failure = _call_failure(shown, record, PREPARE_TIMEOUT)
@@ -310,6 +337,11 @@ def _judge_inputs(record: dict, so, token_ids, bs) -> None:
             fail(f"for the step {_describe_step(so, bs)}: {name} is {describe(value, 200)}: {slip}. The engine "
                  "indexes its tokens, cache slots and tables with these numbers: ints (a tensor's values count as "
                  "their Python numbers: use an integer dtype)")
+    if check_arguments and record.get("changed"):
+        fail(f"prepare_inputs(scheduler_output, token_ids, {bs}) for the step {_describe_step(so, bs)} returned "
+             f"the right inputs, but changed its arguments: {record['changed']}. Hint: the scheduler reads its "
+             "output again once the step has run (update_from_output), and token_ids are the requests' own "
+             "tokens: read them, and build new lists of your own")
 
 
 def _type_slip(value: Any, expected: Any, at: str = "") -> str | None:
@@ -326,13 +358,13 @@ def _type_slip(value: Any, expected: Any, at: str = "") -> str | None:
     return None
 
 
-def _compare_inputs(fn, specs, timeout: float = 30.0) -> None:
-    """One scenario over every step of ``specs``, then each step judged here, in order."""
+def _compare_inputs(fn, specs, timeout: float = 30.0, check_arguments: bool = True) -> None:
+    """One scenario over every step of ``specs``, then each step judged here, in order (:func:`_judge_inputs`)."""
     records = drive(drive_prepare_inputs, fn, list(specs), timeout=timeout, name="prepare_inputs on the steps")
     steps = [step for spec in specs for step in steps_of(spec)]
     records = scenario_records(records, at_most=len(steps), unit="steps")
     for record, (so, token_ids, bs) in zip(records, steps, strict=False):
-        _judge_inputs(record, so, token_ids, bs)
+        _judge_inputs(record, so, token_ids, bs, check_arguments)
     all_came_back(records, len(steps), "steps")
 
 
@@ -392,6 +424,13 @@ def random_metadata(seed: int, num_layers: int = 2):
     value = torch.randn(1, hkv, t, d, generator=g)
     module = Layer(layer_idx=rng.randrange(num_layers), num_key_value_groups=group)
     return module, query, key, value, meta
+
+
+def step_scaling(seed: int, head_dim: int) -> float:
+    """The softmax scale transformers passes on the random step of ``seed``: ``head_dim ** -0.5`` (Llama's), and
+    ``1 / head_dim`` on every fourth seed (a model may set its own: Granite's ``attention_multiplier``, Gemma 2's
+    ``query_pre_attn_scalar``), so that an answer that ignores ``scaling`` is seen."""
+    return 1.0 / head_dim if int(seed) % 4 == 3 else head_dim ** -0.5
 
 
 def _clone_meta(meta: AttentionMetadata) -> AttentionMetadata:
@@ -501,6 +540,11 @@ def _output_problem(out, q, meta, before, layer_idx: int, scale: float) -> str:
         return ("Your output is attention over the cache as it was BEFORE this step's keys and values were "
                 "written. Hint: write the cache first, then attend: a new token attends to itself and to the "
                 "earlier tokens of its chunk, and they are in the cache only once written")
+    d = qt.shape[-1]
+    if scale != d ** -0.5 and same(_attend(qt, kc, vc, meta, d ** -0.5)):
+        return (f"Your output is attention with softmax scale 1/sqrt(head_dim) = {d ** -0.5:.4g}, not the `scaling` "
+                f"this call passes, {scale:.4g}. Hint: use `scaling`: transformers passes the model's own scale "
+                "(module.scaling), and not every model uses 1/sqrt(head_dim)")
     if same(_attend(qt, kc, vc, meta, 1.0)):
         return ("Your output is attention with softmax scale 1. Hint: multiply the scores q·k by `scaling`, the "
                 "scale transformers passes (pass it on to the attention function)")
@@ -542,7 +586,7 @@ def drive_attention(fn, seeds) -> list:
     records = []
     for seed in seeds:
         module, q, k, v, meta = random_metadata(int(seed))
-        record = call_attention(fn, module, q, k, v, None, q.shape[-1] ** -0.5, meta, ATTENTION_TIMEOUT)
+        record = call_attention(fn, module, q, k, v, None, step_scaling(seed, q.shape[-1]), meta, ATTENTION_TIMEOUT)
         records.append(record)
         if "raised" in record or "timeout" in record:
             return records
@@ -590,7 +634,7 @@ def _judge_attention(record: dict, seed: int, check_cache: bool) -> None:
     caches as they were before the call (none of them ever reached the learner's code)."""
     module, q, k, v, meta = random_metadata(seed)
     before, ref = _clone_meta(meta), _clone_meta(meta)
-    scale = q.shape[-1] ** -0.5
+    scale = step_scaling(seed, q.shape[-1])
     hq, hkv = q.shape[1], k.shape[1]
     label = _step_label(meta, module, hq, hkv)
     shown = (f"for {label}: paged_attention(module, query, key, value, None, scaling={scale:.4g}, "
@@ -954,7 +998,9 @@ def _end_to_end(seed: int, prepare=None, attention=None) -> None:
 
 def check_prepare_inputs_end_to_end(fn) -> None:
     require_function(fn, "prepare_inputs")
-    _compare_inputs(fn, ["example"])  # a clear message first, if it is wrong on one step
+    # a clear message first, if it is wrong on one step; its arguments are the other cases' to judge: the engine
+    # goes on with copies of what the call returned, whatever it did to its inputs
+    _compare_inputs(fn, ["example"], check_arguments=False)
     _end_to_end(0, prepare=fn)
 
 
