@@ -14,6 +14,7 @@ was broken.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from pagedkv.grading.checks import (
     scenario_records,
     where,
 )
+from pagedkv.grading.lessons.depends import Earlier, with_earlier_answers
 from pagedkv.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pagedkv.kv_cache_utils import KVCacheBlock, update_block_hashes
 from pagedkv.single_type_kv_cache_manager import SlidingWindowManager
@@ -308,6 +310,19 @@ def _remove_step(got: dict, want: dict, before: dict, bs: int, window: int, prom
     fail(f"{head} the free queue is {got['free queue']}, expected {want['free queue']}")
 
 
+def _uses_skipped(check: Callable[..., None]) -> Callable[..., None]:
+    """A check of exercise 2, run with exercise 1's answer in place of the learner's ``get_num_skipped_tokens``
+    (:mod:`pagedkv.grading.lessons.depends`): a mistake in exercise 1 costs points in exercise 1 only."""
+    earlier = [Earlier("get_num_skipped_tokens", 1, reference_skipped, lambda fn: check_skipped_examples(fn))]
+
+    @functools.wraps(check)
+    def judged(fn: Any, *args: Any, env: Any = None, **kwargs: Any) -> None:
+        with_earlier_answers(fn, earlier, lambda: check(fn, *args, **kwargs), what="remove_skipped_blocks", env=env)
+
+    return judged
+
+
+@_uses_skipped
 def check_remove_examples(remove_skipped_blocks):
     require_function(remove_skipped_blocks, "remove_skipped_blocks")
     _remove_cases(remove_skipped_blocks, [(4, 8, 20, [20]), (4, 8, 20, [8]), (4, 16, 12, [12])],
@@ -315,6 +330,7 @@ def check_remove_examples(remove_skipped_blocks):
                   "the examples")  # fmt: skip
 
 
+@_uses_skipped
 def check_remove_twice(remove_skipped_blocks):
     """A second call releases only the blocks that fell out since the first: it stops at the first null."""
     require_function(remove_skipped_blocks, "remove_skipped_blocks")
@@ -322,6 +338,7 @@ def check_remove_twice(remove_skipped_blocks):
                   ["two calls as the request advances", "the same call twice"], "two requests")  # fmt: skip
 
 
+@_uses_skipped
 def check_remove_hidden(remove_skipped_blocks):
     require_function(remove_skipped_blocks, "remove_skipped_blocks")
     rng = random.Random(8080)
@@ -411,6 +428,15 @@ def _hit_case(case, what: str, got: dict, want: dict) -> None:  # noqa: C901 - o
         fail(f"{head} returned blocks {ids} ({length} tokens), expected {want_ids} ({want_len} tokens): that is full "
              "attention's rule (every block from the start); a sliding layer needs only the last blocks before the "
              "hit's end: scan from the right, and put pool.null_block before the run")
+    core = ids[: max((j + 1 for j, b in enumerate(ids) if b != 0), default=0)]  # without the trailing nulls
+    if core and 0 not in core and core == left[: len(core)] and len(core) * bs < want_len:
+        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want_ids} ({want_len} tokens): that is the "
+             "first run found from the left; scan from the right (block max_length // block_size - 1 first), so that "
+             "the run that ends the hit is the rightmost one and the hit the longest")  # fmt: skip
+    if ids[: len(want_ids)] != want_ids and any(b != 0 and 0 in ids[j + 1 :] for j, b in enumerate(ids)):
+        fail(f"{head} returned blocks {ids} ({length} tokens), expected {want_ids} ({want_len} tokens): a null block "
+             f"after a cached one: the hit must end with {need} *consecutive* cached blocks, so a block that is not "
+             "cached starts the count of the run again")  # fmt: skip
     if isinstance(length, (int, float)) and length > max_length:
         fail(f"{head} gave hit_length {length}, expected {want_len} (blocks {want_ids}): a hit is at most max_length "
              "tokens, so look at max_length // block_size blocks only")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import random
 from typing import Any
 
@@ -59,6 +60,15 @@ def _stop_mistakes(text: str, new: int, stop: list[str], include: bool) -> list[
         out.append(((s, -1 if include and end >= len(text) else (end if include else i)),
                     "that is the stop string that occurs earliest; vLLM takes the first stop string of the list "
                     "that matches"))
+    # the last match rather than the first (rfind)
+    for s in stop:
+        i = text.rfind(s, max(0, len(text) - new - len(s) + 1)) if new else -1
+        if i >= 0:
+            end = i + len(s)
+            out.append(((s, -1 if include and end >= len(text) else (end if include else i)),
+                        "that is the stop string's last occurrence; the text is cut at its first one (str.find, "
+                        "not rfind)"))  # fmt: skip
+            break
     # the whole text searched
     for s in stop:
         i = text.find(s)
@@ -110,6 +120,9 @@ def _expect_stop(fn: Any, args: tuple) -> None:
                          "the offset is -1")
         elif args[3] and got[1] == want[1] - len(want[0]):
             hints.append("with include_in_output the text keeps the stop string: the offset is its end")
+        elif args[3] and isinstance(got[1], int) and got[1] == want[1] - 1 and len(want[0]) > 1:
+            hints.append("one short: the stop string's end is its start plus len(stop_str), the index just past its "
+                         "last character")  # fmt: skip
         elif not args[3] and got[1] == want[1] + len(want[0]):
             hints.append("without include_in_output the text is cut before the stop string: the offset is its "
                          "start")
@@ -200,6 +213,9 @@ def _expect_hashes(fn: Any, args: tuple) -> list[bytes]:
          "extra_keys is a tuple: block 0's is (cache_salt,), not the bare string"),
     ]
     hints = [why for value, why in mistakes if value == got]
+    if not all(isinstance(h, bytes) for h in got):
+        hints.append("the hashes are the bytes sha256_hash gives: pass sha256_hash as hash_block_tokens' hash_fn "
+                     "(Python's hash() gives an int)")  # fmt: skip
     first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
     def short(h: Any) -> str:
         return h.hex()[:12] + "..." if isinstance(h, bytes) else describe(h, 40)
@@ -260,8 +276,9 @@ def _close(a: Any, b: Any) -> bool:
         if not isinstance(a, (list, tuple)) or len(a) != len(b):
             return False
         return all(_close(x, y) for x, y in zip(a, b, strict=True))
-    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(a, b, rel_tol=1e-9,
-                                                                                     abs_tol=1e-12)
+    # numbers.Real: numpy's scalars too (np.int64 is no int), which the text's "in seconds" allows
+    return isinstance(a, numbers.Real) and not isinstance(a, bool) and math.isclose(a, b, rel_tol=1e-9,
+                                                                                    abs_tol=1e-12)
 
 
 def _expect_metrics(fn: Any, args: tuple) -> None:
@@ -289,6 +306,8 @@ def _expect_metrics(fn: Any, args: tuple) -> None:
                 hint = " Hint: the time to the first token is not a decode step's: take ttft out of the latency"
         elif key == "tpot":
             hint = " Hint: with a single output token there is no time per output token: None"
+        elif key in ("ttft", "latency") and _close(got[key], want[key] * 1000):
+            hint = " Hint: that is in milliseconds; the times are in seconds, and so is every metric"
         elif key == "latency" and _close(got[key], times[-1] - times[0]):
             hint = " Hint: latency runs from when the request was sent (start), not from the first chunk"
         elif key == "itl" and isinstance(got[key], list) and len(got[key]) == len(times):

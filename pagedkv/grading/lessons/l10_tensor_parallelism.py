@@ -284,7 +284,10 @@ def check_pool_examples(pool_num_blocks: Any) -> None:
 def check_pool_refuses_bad_input(pool_num_blocks: Any) -> None:
     """No ranks, a negative memory figure, a page of 0 bytes or 0 layers: refused with ValueError (1 point)."""
     require_function(pool_num_blocks, "pool_num_blocks")
-    _check_pool(pool_num_blocks, [4096, 8192], 64, 2)
+    # valid calls first, the boundary included (a 1-byte page, 1 layer), so that refusing too much fails; their
+    # values are the other cases' business
+    for args in (([8192], 64, 2), ([8192], 1, 1), ([0], 64, 2)):
+        run(pool_num_blocks, args, name="pool_num_blocks", timeout=2)
     for args, why in ((([], 64, 2), "no ranks at all"), (([4096, -1], 64, 2), "a rank with negative memory"),
                       (([4096], 0, 2), "a page of 0 bytes"), (([4096], 64, 0), "0 layers")):  # fmt: skip
         expect_raises(ValueError, pool_num_blocks, args, name="pool_num_blocks", why=why, timeout=2)

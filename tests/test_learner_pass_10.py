@@ -1,0 +1,65 @@
+"""Set 10 (tensor parallelism), a learner's pass: a wrong pool count (the largest rank's, the sum, a float) also
+cost the points of the case that checks the refusals.
+
+The source's test cells run in-process (``tests/source_notebook.py``), as the check cell runs them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from source_notebook import SourceNotebook
+
+SOURCE = Path(__file__).resolve().parents[1] / "grading" / "source" / "10_tensor_parallelism.ipynb"
+NB = SourceNotebook(SOURCE)
+MIN = "    return min(a // page_bytes // num_layers for a in available_per_rank)\n"
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        "    return max(a // page_bytes // num_layers for a in available_per_rank)\n",
+        "    return sum(a // page_bytes // num_layers for a in available_per_rank)\n",
+        "    return min(a / page_bytes // num_layers for a in available_per_rank)\n",
+    ],
+)
+def test_a_wrong_count_costs_the_count_cases_only(wrong: str) -> None:
+    src = NB.solutions["pool_num_blocks"]
+    assert MIN in src
+    results = [ok for q, _, ok, _ in NB.grade({"pool_num_blocks": src.replace(MIN, wrong)}, only={"pool_num_blocks"})
+               if q == "pool_num_blocks"]  # fmt: skip
+    examples, refusals, hidden = results  # the source's order
+    assert refusals, results
+    assert not examples and not hidden, results
+
+
+def test_refusing_everything_still_fails_the_refusals() -> None:
+    src = NB.solutions["pool_num_blocks"]
+    always = src.replace(MIN, '    raise ValueError("no")\n')
+    results = [
+        (ok, msg)
+        for q, _, ok, msg in NB.grade({"pool_num_blocks": always}, only={"pool_num_blocks"})
+        if q == "pool_num_blocks"
+    ]
+    assert not any(ok for ok, _ in results), results
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("page_bytes < 1 or num_layers < 1", "page_bytes <= 1 or num_layers <= 1"),
+        ("min(available_per_rank) < 0", "min(available_per_rank) <= 0"),
+    ],
+)
+def test_refusing_a_valid_boundary_fails_the_refusals(old: str, new: str) -> None:
+    """A 1-byte page, a 1-layer model and a rank with 0 bytes free are valid: refusing them scored full marks."""
+    src = NB.solutions["pool_num_blocks"]
+    assert old in src
+    results = [
+        (ok, msg)
+        for q, _, ok, msg in NB.grade({"pool_num_blocks": src.replace(old, new)}, only={"pool_num_blocks"})
+        if q == "pool_num_blocks"
+    ]
+    refusals = results[1]
+    assert not refusals[0] and "raised ValueError" in refusals[1], results
