@@ -783,6 +783,9 @@ def test_expect_equal_names_the_call_and_both_values():
         checks.expect_equal(lambda n, b: None, (40, 16), 3, name="f")
     with pytest.raises(AssertionError, match=r"returned 3\.0, expected 3 \(expected an int, got float\)"):
         checks.expect_equal(lambda n, b: 3.0, (40, 16), 3, name="f")
+    # the right value as a float: the hint says so, not the set's hint for a wrong value
+    with pytest.raises(AssertionError, match=r"\(expected an int, got float\)\. Hint: the right value as a float"):
+        checks.expect_equal(lambda n, b: 3.0, (40, 16), 3, name="f", hint="one too many")
     assert checks.expect_equal(lambda: [1, 2], (), [1, 2]) == [1, 2]
     checks.expect_close(lambda: 1 / 3, (), 0.333333333)
 
@@ -995,6 +998,9 @@ def test_plain_data_round_trips_without_pickle():
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, 1::2]  # a strided view crosses as its values
     back = plain.decode(json.loads(json.dumps(plain.encode(t))))
     assert back.tolist() == t.tolist() and back.is_contiguous() and back.dtype == torch.float32
+    for scalar in (torch.tensor(3), torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(True)):  # 0-d tensors
+        back = plain.decode(json.loads(json.dumps(plain.encode(scalar))))
+        assert back.shape == () and back.dtype == scalar.dtype and back.item() == scalar.item()
     for bad in (lambda: 1, object(), np.arange(3), torch.nn.Linear(2, 2)):
         with pytest.raises(TypeError, match="cannot be sent"):
             plain.encode(bad)

@@ -361,7 +361,10 @@ def expect_equal(
         message += f". {STUB_NOTE}"
     elif why != "wrong value":
         message += f" ({why})"
-    hint_text = _hint_text(hint, got)
+    if type(expected) is int and isinstance(got, float) and got == expected:  # the right value, the wrong type
+        hint_text = " Hint: the right value as a float: return an int (// divides whole numbers, / gives a float)"
+    else:
+        hint_text = _hint_text(hint, got)
     if hint_text and not message.endswith((".", "?")):
         message += "."
     fail(message + hint_text)

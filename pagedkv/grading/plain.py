@@ -269,7 +269,7 @@ def encode(value: Any, learner_names: dict[int, str] | None = None, depth: int =
             return {"$dtype": str(value).removeprefix("torch.")}
         if isinstance(value, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
             t = value.detach().to("cpu").contiguous()
-            raw = t.view(torch.uint8) if t.dtype != torch.bool and t.numel() else t
+            raw = t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool and t.numel() else t  # 0-d views no bytes
             data = raw.numpy().tobytes() if t.numel() else b""
             return {"$tensor": base64.b64encode(data).decode("ascii"), "dtype": str(t.dtype).removeprefix("torch."),
                     "shape": list(t.shape)}
