@@ -76,7 +76,7 @@ def test_a_float_count_is_told_the_type_not_a_wrong_value() -> None:
     failures = [msg for _, ok, msg in results if not ok]
     assert len(failures) == len(results) == 2, results
     for msg in failures:
-        assert "expected an int, got float" in msg and "Hint: the right value as a float" in msg, msg
+        assert "expected an int, got float" in msg and "Hint: the right value, but a float" in msg, msg
         assert "never negative" not in msg and "one too many" not in msg, msg
 
 

@@ -362,7 +362,7 @@ def expect_equal(
     elif why != "wrong value":
         message += f" ({why})"
     if type(expected) is int and isinstance(got, float) and got == expected:  # the right value, the wrong type
-        hint_text = " Hint: the right value as a float: return an int (// divides whole numbers, / gives a float)"
+        hint_text = " Hint: the right value, but a float: a count is an int (divide with //, not /)"
     else:
         hint_text = _hint_text(hint, got)
     if hint_text and not message.endswith((".", "?")):

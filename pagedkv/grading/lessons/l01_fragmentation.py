@@ -280,8 +280,6 @@ def check_contiguous_capacity_examples(contiguous_capacity):
     def hint(pool, max_len, b):
         per_seq = -(-max_len // b)
         def explain(got):
-            if isinstance(got, float) and got == pool // per_seq:
-                return "a number of sequences is an int: divide with //, not /"
             floored = max_len % b and per_seq > 1 and got == pool // (max_len // b)
             tokens = got == pool * b // max_len
             if floored and tokens:  # both mistakes give this count: name both
