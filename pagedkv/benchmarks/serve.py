@@ -20,7 +20,7 @@ runs are interleaved, so a slow spell of a shared machine hits them alike), and 
 range (the JSON keeps every run and the aggregated rows).
 
 Mirrors ``vllm/benchmarks/serve.py`` (``benchmark``, ``calculate_metrics``, ``get_request``) and the random
-and ShareGPT datasets of ``vllm/benchmarks/datasets.py``.
+and ShareGPT datasets of ``vllm/benchmarks/datasets/datasets.py`` (``RandomDataset``, ``ShareGPTDataset``).
 """
 
 from __future__ import annotations

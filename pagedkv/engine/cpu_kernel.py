@@ -1,13 +1,16 @@
 """The torch backend's compiled CPU ops: small C files beside this module, built on first use into one library.
 
 vLLM's CPU backend does its attention in C++ (``CPUAttentionBackendImpl.forward`` in
-``vllm/v1/attention/backends/cpu_attn.py`` calls ``ops.cpu_attention_with_kv_cache``, ``vllm/_custom_ops.py``):
-decode attention reads each K and V vector of a request's context once, a few multiply-adds per byte, so it is
-bound by how fast the machine reads memory, and PyTorch's batched products of tiny matrices stay well above that.
-Its cache write, norms, activation and rotary embedding are C++ too (``csrc/cpu/cache.cpp``, ``layernorm.cpp``,
-``activation.cpp``, ``pos_encoding.cpp``): at a decode step's sizes each PyTorch operation costs more in dispatch
-and temporaries than in arithmetic. The lab's counterparts are :data:`SOURCES` (``cpu_vec.h`` holds what they
-share), compiled here with the machine's C compiler (``cc``, or ``$CC``) into one shared library under
+``vllm/v1/attention/backends/cpu_attn.py`` calls ``ops.cpu_attention_with_kv_cache``, ``vllm/_custom_ops.py``:
+``cpu_attention_with_kv_cache``): decode attention reads each K and V vector of a request's context once, a few
+multiply-adds per byte, so it is bound by how fast the machine reads memory, and PyTorch's batched products of tiny
+matrices stay well above that. Its cache write is C++ too (``ops.cpu_attn_reshape_and_cache``); its norms,
+activation and rotary embedding are PyTorch code that Inductor compiles into fused C++ loops (by default:
+``vllm/platforms/cpu.py``: ``CpuPlatform.check_and_update_config``; with custom ops on, only the rotary embedding
+calls C++ outside POWER, ``RotaryEmbedding.forward_cpu`` in ``vllm/model_executor/layers/rotary_embedding/base.py``):
+at a decode step's sizes each PyTorch operation costs more in dispatch and temporaries than in arithmetic. The lab's
+counterparts are :data:`SOURCES` (``cpu_vec.h`` holds what they share), compiled here with the machine's C
+compiler (``cc``, or ``$CC``) into one shared library under
 ``~/.cache/pagedkv/cpu_kernels/`` (``PAGEDKV_KERNEL_CACHE``), loaded with ``ctypes``: no torch headers, a few
 seconds to build, once per CPU. Where there is no compiler, the build fails, or ``PAGEDKV_CPU_KERNEL=0``,
 :func:`load` returns ``None`` and the engine keeps its PyTorch paths (``pool_decode_attention``, the gathered

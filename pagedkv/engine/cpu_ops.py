@@ -4,9 +4,13 @@ SiLU-and-multiply, the rotary embedding in place; and the greedy sampler's argma
 Each replaces a handful of PyTorch operations (:func:`pagedkv.engine.llama.rms_norm` is six: add, pow, mean, add,
 rsqrt, two multiplies; :func:`~pagedkv.engine.llama.apply_rotary` six and a concatenation) by one pass over the
 rows, with no temporaries. At a decode step's 64 rows of 256 values each PyTorch operation costs more in dispatch
-than in arithmetic, and at a prefill step's 2,048 rows every temporary is a fresh multi-megabyte tensor. vLLM's
-CPU backend calls C++ for the same three (``vllm/_custom_ops.py``: ``fused_add_rms_norm``, ``silu_and_mul``,
-``rotary_embedding``; ``csrc/cpu/layernorm.cpp``, ``activation.cpp``, ``pos_encoding.cpp``); the lab's are
+than in arithmetic, and at a prefill step's 2,048 rows every temporary is a fresh multi-megabyte tensor. vLLM 0.26's
+CPU backend has Inductor compile the same three from PyTorch into fused C++ loops (by default:
+``vllm/platforms/cpu.py``: ``CpuPlatform.check_and_update_config``); with custom ops on, only the rotary embedding
+calls a C++ kernel (``RotaryEmbedding.forward_cpu`` in ``vllm/model_executor/layers/rotary_embedding/base.py``,
+``vllm/_custom_ops.py``: ``rotary_embedding``; ``csrc/cpu/pos_encoding.cpp``), while ``SiluAndMul.forward_cpu``
+(``vllm/model_executor/layers/activation.py``) keeps PyTorch except on POWER and RMSNorm's C++ kernel serves
+CUDA-alike platforms only (``vllm/kernels/vllm_c.py``: ``fused_add_rms_norm``). The lab's are
 ``cpu_layernorm.c``, ``cpu_activation.c`` and ``cpu_pos_encoding.c``, built with the attention kernel into one
 library (:mod:`pagedkv.engine.cpu_kernel`).
 

@@ -28,8 +28,8 @@ from pagedkv.sched_output import SchedulerOutput
 
 class DeferredOutput(Future):
     """A future whose result is fetched when first asked for: ``result()`` waits for the step's samples on the
-    device (``AsyncModelRunnerOutput.get_output``), not before. Mirrors how ``UniProcExecutor`` wraps an
-    ``AsyncModelRunnerOutput`` (``vllm/v1/executor/uniproc_executor.py``)."""
+    device (``AsyncModelRunnerOutput.get_output``), not before. Mirrors how ``UniProcExecutor.collective_rpc`` wraps an
+    ``AsyncModelRunnerOutput`` in an ``AsyncOutputFuture`` (``vllm/v1/executor/uniproc_executor.py``)."""
 
     def __init__(self, async_output: Any) -> None:
         super().__init__()

@@ -12,7 +12,8 @@ The scheduler, KV cache manager and block pool are the lesson 2-4 classes, uncha
 loop, one step at a time: the same tokens either way. ``n > 1`` is ``n`` requests with the same prompt (seeds
 ``seed + i``), which share the prompt's full blocks through the prefix cache, as vLLM 0.26 does
 (``vllm/v1/engine/parallel_sampling.py``: ``ParentRequest``). Mirrors vLLM 0.26's ``LLM``
-(``vllm/entrypoints/llm.py``: ``generate``, ``_run_engine``).
+(``vllm/entrypoints/llm.py``: ``generate``; ``OfflineInferenceMixin._run_engine`` in
+``vllm/entrypoints/offline_utils.py``).
 """
 
 from __future__ import annotations
