@@ -96,3 +96,12 @@ def test_a_run_that_is_not_reset_on_a_miss_is_told_consecutive() -> None:
     first = _first_hit_failure("            run = 0\n", "")
     assert "*consecutive* cached blocks" in first, first
     assert "a block that is not cached starts the count of the run again" in first, first
+
+
+def test_the_released_blocks_message_reads_right_for_one_and_none() -> None:
+    """It said "1 tokens are skipped, so the first 0 blocks (only whole blocks) are released"."""
+    from pagedkv.grading.lessons.l08_hybrid_models import _released
+
+    assert _released(1, 4) == "1 token is skipped, so no block is released (only whole blocks of 4 tokens are)"
+    assert _released(5, 4) == "5 tokens are skipped, so the first block (only whole blocks) is released"
+    assert _released(13, 4) == "13 tokens are skipped, so the first 3 blocks (only whole blocks) are released"

@@ -265,6 +265,17 @@ def _remove_cases(remove_skipped_blocks, cases: list[tuple[int, int, int, list[i
     all_came_back(got, len(cases), "requests", label)
 
 
+def _released(skipped: int, bs: int) -> str:
+    """Which blocks ``skipped`` tokens release, in words: "13 tokens are skipped, so the first 3 blocks (only
+    whole blocks) are released"."""
+    released = skipped // bs
+    tokens = f"{skipped} token is" if skipped == 1 else f"{skipped} tokens are"
+    blocks = (f"no block is released (only whole blocks of {bs} tokens are)" if released == 0 else
+              "the first block (only whole blocks) is released" if released == 1 else
+              f"the first {released} blocks (only whole blocks) are released")
+    return f"{tokens} skipped, so {blocks}"
+
+
 def _remove_step(got: dict, want: dict, before: dict, bs: int, window: int, prompt: int, n: int, what: str) -> None:
     call = f"remove_skipped_blocks(manager, 'r', {n})"
     if "raised" in got:
@@ -293,8 +304,7 @@ def _remove_step(got: dict, want: dict, before: dict, bs: int, window: int, prom
              "block's place in manager.req_to_blocks[request_id]")
     if got["table"] != want["table"]:
         skipped = reference_skipped(n, window)
-        fail(f"{head} the table is {got['table']}, expected {want['table']}: {skipped} tokens are skipped, so "
-             f"the first {skipped // bs} blocks (only whole blocks) are released")
+        fail(f"{head} the table is {got['table']}, expected {want['table']}: {_released(skipped, bs)}")
     if got["ref_cnt"] != want["ref_cnt"]:
         fail(f"{head} the blocks' ref_cnt are {got['ref_cnt']}, expected {want['ref_cnt']}: each released block "
              "goes back to the pool once (manager.block_pool.free_blocks), the null block never")
