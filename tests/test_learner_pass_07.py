@@ -49,6 +49,17 @@ def test_attention_that_ignores_scaling_fails_and_is_named() -> None:
     assert "not the `scaling` this call passes" in failed[0], failed
 
 
+def test_attention_whose_output_is_always_float32_fails_on_a_bfloat16_step() -> None:
+    """``torch.zeros(q.shape)`` for the output (float32 whatever the query) scored full marks: every step was
+    float32. Every fifth random step is now bfloat16."""
+    answer = changed(ATTENTION, "    out = torch.empty_like(q)\n", "    out = torch.zeros(q.shape)\n")
+    answer = changed(answer, "return out.to(query.dtype)[None], None", "return out[None], None")
+    failed = NB.failures("paged_attention", answer)
+    assert failed, "an output always in float32 passed"
+    assert "in torch.bfloat16" in failed[0] and "the output is torch.float32, the query torch.bfloat16" in failed[0]
+    assert "make the output in the query's dtype" in failed[0], failed
+
+
 def test_the_solution_still_passes_every_case() -> None:
     results = NB.grade({})
     assert results and all(ok for _, _, ok, _ in results), [m for _, _, ok, m in results if not ok]

@@ -386,9 +386,10 @@ def check_prepare_inputs_hidden(fn) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------------------
-def random_metadata(seed: int, num_layers: int = 2):
+def random_metadata(seed: int, num_layers: int = 2, dtype: torch.dtype = torch.float32):
     """A random mixed step: ``(module, query, key, value, metadata)`` in transformers' layout
-    (``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]``), caches that hold each request's cached prefix."""
+    (``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]``), caches that hold each request's cached prefix;
+    every tensor of floats in ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     bs = rng.choice([2, 4, 8])
@@ -397,8 +398,8 @@ def random_metadata(seed: int, num_layers: int = 2):
     q_lens = [1 if rng.random() < 0.5 else rng.randint(1, 9) for _ in range(b)]
     seq_lens = [q + rng.randint(0, 12) for q in q_lens]
     key_cache, value_cache, tables, _ = make_paged_kv(seq_lens, hkv, d, bs, generator=g, extra_blocks=2)
-    kv_caches = [(key_cache, value_cache)] + [
-        (torch.randn(key_cache.shape, generator=g), torch.randn(value_cache.shape, generator=g))
+    kv_caches = [(key_cache.to(dtype), value_cache.to(dtype))] + [
+        (torch.randn(key_cache.shape, generator=g).to(dtype), torch.randn(value_cache.shape, generator=g).to(dtype))
         for _ in range(num_layers - 1)
     ]
     slot_mapping, qsl, decodes, prefills = [], [0], [], []
@@ -419,11 +420,24 @@ def random_metadata(seed: int, num_layers: int = 2):
         decode_req_idx=torch.tensor(decodes, dtype=torch.long),
         prefill_reqs=[(i, qsl[i], qsl[i + 1], seq_lens[i]) for i in prefills],
     )
-    query = torch.randn(1, hkv * group, t, d, generator=g)
-    key = torch.randn(1, hkv, t, d, generator=g)
-    value = torch.randn(1, hkv, t, d, generator=g)
+    query = torch.randn(1, hkv * group, t, d, generator=g).to(dtype)
+    key = torch.randn(1, hkv, t, d, generator=g).to(dtype)
+    value = torch.randn(1, hkv, t, d, generator=g).to(dtype)
     module = Layer(layer_idx=rng.randrange(num_layers), num_key_value_groups=group)
     return module, query, key, value, meta
+
+
+def step_dtype(seed: int) -> torch.dtype:
+    """The dtype of the random step of ``seed``: float32, and bfloat16 on every fifth seed (a model served in
+    bfloat16 hands its attention bfloat16), so that an output made in float32 whatever the query is seen."""
+    return torch.bfloat16 if int(seed) % 5 == 4 else torch.float32
+
+
+def close_enough(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``got`` is ``want`` up to rounding in ``dtype`` (bfloat16 keeps 8 bits of mantissa: a sum in
+    another order differs by a few of its steps)."""
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    return torch.allclose(got.double(), want.double(), atol=tol, rtol=tol)
 
 
 def step_scaling(seed: int, head_dim: int) -> float:
@@ -533,7 +547,7 @@ def _output_problem(out, q, meta, before, layer_idx: int, scale: float) -> str:
     got = out[0].double()
 
     def same(x):
-        return torch.allclose(got, x, atol=1e-4, rtol=1e-4)
+        return close_enough(got, x, q.dtype)
 
     ok, ov = before.kv_caches[layer_idx]
     if same(_attend(qt, ok, ov, meta, scale)):
@@ -585,7 +599,7 @@ def drive_attention(fn, seeds) -> list:
     the scenario."""
     records = []
     for seed in seeds:
-        module, q, k, v, meta = random_metadata(int(seed))
+        module, q, k, v, meta = random_metadata(int(seed), dtype=step_dtype(seed))
         record = call_attention(fn, module, q, k, v, None, step_scaling(seed, q.shape[-1]), meta, ATTENTION_TIMEOUT)
         records.append(record)
         if "raised" in record or "timeout" in record:
@@ -625,14 +639,15 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
 def _step_label(meta, module, hq: int, hkv: int) -> str:
     return (f"a step of {meta.num_reqs} requests with q_lens "
             f"{(meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()}, seq_lens {meta.seq_lens.tolist()}, "
-            f"block_size {meta.kv_caches[0][0].shape[1]}, Hq {hq}, Hkv {hkv}, layer {module.layer_idx}")
+            f"block_size {meta.kv_caches[0][0].shape[1]}, Hq {hq}, Hkv {hkv}, layer {module.layer_idx}"
+            + ("" if meta.kv_caches[0][0].dtype == torch.float32 else f", in {describe(meta.kv_caches[0][0].dtype)}"))
 
 
 def _judge_attention(record: dict, seed: int, check_cache: bool) -> None:
     """Fail unless ``record`` (what the learner's call did on the step of ``seed``) matches the reference, run
     here on inputs built here: the check's own step, a deep copy of it for the reference, another for the
     caches as they were before the call (none of them ever reached the learner's code)."""
-    module, q, k, v, meta = random_metadata(seed)
+    module, q, k, v, meta = random_metadata(seed, dtype=step_dtype(seed))
     before, ref = _clone_meta(meta), _clone_meta(meta)
     scale = step_scaling(seed, q.shape[-1])
     hq, hkv = q.shape[1], k.shape[1]
@@ -663,7 +678,11 @@ def _judge_attention(record: dict, seed: int, check_cache: bool) -> None:
     cache = _cache_problem(mine, before, module.layer_idx, k, v, meta)
     if check_cache and cache is not None:
         fail(f"for {label}: {cache}")
-    if not torch.allclose(out.float(), want.float(), atol=1e-4, rtol=1e-4):
+    if out.dtype != q.dtype:
+        fail(f"for {label}: the output is {describe(out.dtype)}, the query {describe(q.dtype)}. Hint: make the "
+             "output in the query's dtype (torch.empty_like on the query, or new_empty): a model served in "
+             "bfloat16 hands its attention bfloat16 and reads bfloat16 back")
+    if not close_enough(out, want, q.dtype):
         err = (out.float() - want.float()).abs().max().item()
         why = (f"Its cause: {cache}" if cache is not None
                else _output_problem(out, q, ref, before, module.layer_idx, scale))
