@@ -153,6 +153,21 @@ def test_memory_is_bounded_for_the_whole_sandbox():
 
 
 @needs_bwrap
+def test_the_address_space_is_unbounded_where_a_cgroup_bounds_the_memory():
+    """A CUDA context reserves tens of GiB of address space: under a cgroup the sandbox has no RLIMIT_AS (the
+    cgroup bounds the whole sandbox's memory, RLIMIT_DATA each process's allocations); without one it has."""
+    import resource
+
+    cell = "import resource\nlimits = [resource.getrlimit(r)[0] for r in (resource.RLIMIT_AS, resource.RLIMIT_DATA)]\n"
+    got = _run(cell, ["limits"], limits=Limits(memory=768 << 20))["limits"]
+    group = Cgroup(Limits())
+    has_cgroup = bool(group.paths)
+    group.close()
+    inherited = resource.getrlimit(resource.RLIMIT_AS)[0]  # the grader's own, passed on
+    assert got == [inherited if has_cgroup else 768 << 20, 768 << 20], got
+
+
+@needs_bwrap
 def test_nothing_survives_the_sandbox(tmp_path):
     """Route: files in /tmp, /var/tmp, /dev/shm stay after grading; a process that double-forks into a session of
     its own outlives it."""

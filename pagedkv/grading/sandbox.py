@@ -14,7 +14,8 @@ Each sandbox is a bubblewrap (``bwrap``) container, made fresh for one exercise 
   host: no checkout, no class folder, no other clone of the repository.
 - **Limits for the whole sandbox**: a cgroup of its own (v2, else v1's ``memory`` and ``pids``) bounds the
   memory and the processes of everything in it together, where one can be made (as root in a container);
-  rlimits (address space, CPU seconds, file size, processes, no core files) apply in every case. Where the
+  rlimits (data, CPU seconds, file size, processes, no core files) apply in every case, and the address space
+  is an rlimit where there is no cgroup (a CUDA context reserves far more than it uses). Where the
   ``cpu`` controller can be had too (v2's ``cpu``, v1's ``cpu`` and ``cpuacct``), the cgroup caps the sandbox at
   :attr:`Limits.cpus` CPUs and the scheduler shares the machine between sandboxes, not between their processes
   (a learner's 150 busy children get one sandbox's share, not 150 times another learner's), and a test case's
@@ -571,8 +572,8 @@ def isolation_summary() -> str:
 
 def _preexec(limits: Limits, cgroup: Cgroup | None) -> None:
     """In the child, before it executes ``bwrap`` (or, with no sandbox, Python): a session of its own, no
-    address randomisation, death with the grader, the cgroup, and rlimits (address space, CPU time, file size,
-    processes, no core files)."""
+    address randomisation, death with the grader, the cgroup, and rlimits (data, CPU time, file size, processes,
+    no core files; the address space where there is no cgroup)."""
     os.setsid()
     # Python installs its KeyboardInterrupt handler only where SIGINT is not ignored at start, and a grader
     # started in the background (`cmd &`, nohup) passes an ignored SIGINT on: a looping cell could not be
@@ -584,11 +585,15 @@ def _preexec(limits: Limits, cgroup: Cgroup | None) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if cgroup is not None:
         cgroup.join()
-    # RLIMIT_DATA: the worker's own (Limits.worker_memory) is inherited; the sandbox has the sandbox's
-    for which, value in ((resource.RLIMIT_AS, limits.memory), (resource.RLIMIT_DATA, limits.memory),
-                         (resource.RLIMIT_CPU, limits.cpu_seconds),
-                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, limits.tmpfs),
-                         (resource.RLIMIT_NPROC, limits.processes)):
+    # RLIMIT_DATA (what allocations take): the worker's own (Limits.worker_memory) is inherited; the sandbox has
+    # the sandbox's. RLIMIT_AS only where no cgroup bounds the memory: a CUDA context reserves tens of GiB of
+    # address space that it never fills, so an address-space limit would stop the sandbox from using a GPU.
+    rlimits = [(resource.RLIMIT_DATA, limits.memory), (resource.RLIMIT_CPU, limits.cpu_seconds),
+               (resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, limits.tmpfs),
+               (resource.RLIMIT_NPROC, limits.processes)]
+    if cgroup is None:
+        rlimits.append((resource.RLIMIT_AS, limits.memory))
+    for which, value in rlimits:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(which, (value, value))
 
