@@ -66,3 +66,9 @@ def test_an_end_one_short_is_named() -> None:
 def test_pythons_hash_is_named() -> None:
     first = _first_failure("salted_block_hashes", "hash_block_tokens(sha256_hash,", "hash_block_tokens(hash,")
     assert "pass sha256_hash as hash_block_tokens' hash_fn" in first, first
+
+
+def test_output_len_as_a_float_fails_saying_it_is_a_count() -> None:
+    """``float(sum(chunk_tokens))`` passed: 6.0 is close to 6."""
+    first = _first_failure("request_metrics", "output_len = sum(chunk_tokens)", "output_len = float(sum(chunk_tokens))")
+    assert "['output_len'] is 3.0, expected 3: a number of tokens is an int" in first, first

@@ -21,7 +21,7 @@ import numbers
 import random
 from typing import Any
 
-from pagedkv.grading.checks import STUB_NOTE, describe, fail, require_function, run
+from pagedkv.grading.checks import STUB_NOTE, describe, fail, is_int, require_function, run
 
 __all__ = [
     "check_metrics_examples",
@@ -317,6 +317,9 @@ def _expect_metrics(fn: Any, args: tuple) -> None:
         elif key == "itl" and not isinstance(got[key], (list, tuple)):
             hint = f" Hint: ITL is a list of floats, not a {type(got[key]).__name__} (vllm bench serve's is a list)"
         fail(f"{call}[{key!r}] is {describe(got[key])}, expected {describe(want[key])}.{hint}")
+    if not is_int(got["output_len"]):
+        fail(f"{call}['output_len'] is {describe(got['output_len'])}, expected {want['output_len']}: a number of "
+             "tokens is an int (the sum of the chunks' token counts)")
 
 
 def check_metrics_examples(request_metrics: Any) -> None:
