@@ -97,12 +97,46 @@ def _attempt(launch, *args, **kwargs) -> dict | None:
             message = str(exc)
         except Exception:  # noqa: BLE001 - an exception whose str() raises
             message = ""
-        return {"raised": type(exc).__name__, "message": message[:4000]}
+        return {"raised": type(exc).__name__, "message": message[:4000], "where": _error_line(exc)}
     return None
 
 
-def _launch_failed(what: str, record: dict) -> None:
-    """Fail with what went wrong in the launch ``record`` describes (:func:`_attempt`), if anything did."""
+def _error_line(exc: BaseException) -> str:
+    """Where a launch's error came from, as ' (in f: out = acc / l_i)': the learner's innermost statement, or
+    else the line of this module's harness kernel that used what the learner's function returned (Triton's
+    interpreter raises ``InterpreterError`` from the error it ran into, whose traceback holds the kernel's
+    frames). Empty when neither is known. No line number: under ``pagedkv grade`` the kernels are compiled from
+    the notebook's source in one file (``kernel_source``), so the number would not be the cell's."""
+    import traceback
+
+    from pagedkv.grading.checks import statement_text
+
+    cause = exc.__cause__ or exc
+    try:
+        frames = traceback.extract_tb(cause.__traceback__)
+    except Exception:  # noqa: BLE001 - a traceback that cannot be read: say nothing
+        return ""
+    here = __file__.removesuffix("c")  # this module's source, not its .pyc
+    harness = None
+    for frame in reversed(frames):
+        name = frame.filename or ""
+        if name == here:
+            harness = harness or frame
+            continue
+        if any(part in name for part in ("site-packages", "dist-packages", "/pagedkv/", "/triton/", "/lib/python")) or (
+                name.endswith("_interpreter.py")):
+            continue  # Python's, Triton's or the library's own frames
+        code = statement_text(frame)
+        return f" (in {frame.name}: {code})" if code else f" (in {frame.name})"
+    if harness is not None:
+        return (f" (in the check's kernel {harness.name}, which uses what your function returned: "
+                f"{statement_text(harness)})")
+    return ""
+
+
+def _launch_failed(what: str, record: dict, shapes: str = "") -> None:
+    """Fail with what went wrong in the launch ``record`` describes (:func:`_attempt`), if anything did.
+    ``shapes``: what the function must return, said when the error is a shape mismatch."""
     if record.get("timed_out"):
         _fail(f"{what} did not finish within {LAUNCH_TIMEOUT:g} s: is there a loop that never ends?")
     if "raised" in record:
@@ -111,7 +145,12 @@ def _launch_failed(what: str, record: dict) -> None:
         stub = "NoneType" in first or "Ellipsis" in first or "ellipsis" in first
         hint = (" Is the function still the stub (...)? It must `return` what the exercise asks for."
                 if stub else "")
-        _fail(f"{what} raised {record['raised']}: {first}.{hint}")
+        if not hint and ("make_shape_compatible" in first or "incompatible dimensions" in first):
+            hint = (" Two tensors of different shapes met: "
+                    + (shapes if shapes else "check each tile's shape (x[:, None] is a column, x[None, :] a row)")
+                    + ".")
+        where = str(record.get("where") or "")[:600]
+        _fail(f"{what} raised {record['raised']}: {first}{where}.{hint}")
 
 
 def _require_jit(fn, name: str) -> None:
@@ -249,6 +288,12 @@ def _gather_kernel(
     tl.store(out_ptr + dst, tile)
 
 
+_OFFSETS_SHAPES = ("kv_block_offsets must return (offsets, mask), in this order: offsets of shape [BLOCK_SIZE, "
+                   "HEAD_DIM] (slot t's row, HEAD_DIM values), mask of shape [BLOCK_SIZE] (one boolean per slot)")
+_GROUP_SHAPES = ("load_query_group must return (q, heads, row_mask), in this order: q of shape [BLOCK_G, HEAD_DIM], "
+                 "heads and row_mask of shape [BLOCK_G]")
+
+
 def _expected_offsets(table: list[int], seq_len: int, kv_head: int, strides, block_size: int, head_dim: int):
     sb, st, sh = strides
     phys = torch.tensor(table, dtype=torch.int64)[:, None, None]
@@ -313,7 +358,7 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
     _refused(record, "kv_block_offsets")
     seen = _cases(record, cases, "kv_block_offsets")
     for (block_size, head_dim, kv_head, seq_len, table, strides), rec in zip(cases, seen, strict=False):
-        _launch_failed(f"kv_block_offsets (block_size={block_size}, head_dim={head_dim})", rec)
+        _launch_failed(f"kv_block_offsets (block_size={block_size}, head_dim={head_dim})", rec, _OFFSETS_SHAPES)
         offs, mask = rec["offsets"], rec["mask"]
         want_offs, want_mask = _expected_offsets(table, seq_len, kv_head, strides, block_size, head_dim)
         where = (f"with block_size={block_size}, head_dim={head_dim}, kv_head={kv_head}, seq_len={seq_len}, "
@@ -323,12 +368,24 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
             j = int((got_mask != want_mask).any(1).nonzero()[0, 0])
             why = ""
             extra = (torch.arange(block_size) + j * block_size == seq_len) & got_mask[j]
-            if bool((got_mask[j] == (torch.arange(block_size) < seq_len)).all()) and j > 0:
+            last = (torch.arange(block_size) + j * block_size == seq_len - 1) & ~got_mask[j]
+            if bool(got_mask[j].all()) and j > 0:
+                why = (f" Your mask lets every slot of block j={j} through, but only positions < seq_len hold tokens: "
+                       "compare the token's *logical position* j * BLOCK_SIZE + slot with seq_len (not the slot "
+                       "index alone)")  # before the `<=` test: slot seq_len - j·bs may be in it too
+            elif bool((got_mask[j] == (torch.arange(block_size) < seq_len)).all()) and j > 0:
                 why = (" Your mask compares the slot index with seq_len; compare the token's *logical position* "
-                       "j * BLOCK_SIZE + slot")  # before the `<=` test: slot seq_len - j·bs may be in it too
+                       "j * BLOCK_SIZE + slot")
             elif bool(extra.any()):
                 why = (f" Token {seq_len} is one past the sequence's end (positions 0..{seq_len - 1} exist): "
                        "use `<`, not `<=`")
+            elif bool(last.any()):
+                why = (f" Position {seq_len - 1}, the sequence's last token, is masked off: a slot holds a real "
+                       "token when j * BLOCK_SIZE + slot < seq_len (positions 0..seq_len-1), with nothing added or "
+                       "subtracted")
+            else:
+                why = (" Slot t of logical block j holds the token at position j * BLOCK_SIZE + t; the mask is "
+                       "True where that position is < seq_len")
             _fail(f"kv_block_offsets mask for logical block j={j} is {got_mask[j].int().tolist()}, expected "
                   f"{want_mask[j].int().tolist()} ({where}).{why}")
         if part != "mask" and not torch.equal(offs, want_offs):
@@ -345,6 +402,17 @@ def check_kv_block_offsets_probe(kv_block_offsets, seed: int = 0, part: str = "b
                        "(`tl.load(table_row_ptr + j)`)")
             elif got - want == (-kv_head * strides[2]):
                 why = " The KV head's offset (kv_head * stride_kh) is missing"
+            elif got == table[j] * strides[0] + t * strides[2] + kv_head * strides[1] + dd or (
+                    got == table[j] * strides[0] + t * strides[1] + kv_head * strides[1] + dd):
+                why = (" The slot and the KV head take different strides: slot t moves by stride_kt, the KV head "
+                       "by stride_kh")
+            elif dd > 0 and got == int(offs[j, t, 0]):
+                why = (f" Every dim of slot {t} has the same offset: add the column of dims, d[None, :] with "
+                       "d = tl.arange(0, HEAD_DIM)")
+            elif (got - t * strides[1] - kv_head * strides[2] - dd) % strides[0] == 0:
+                block = (got - t * strides[1] - kv_head * strides[2] - dd) // strides[0]
+                why = (f" That is physical block {block}, not block_table[{j}] = {table[j]}: table_row_ptr points "
+                       "at this sequence's row of the table, whose entry j is at table_row_ptr + j")
             _fail(f"kv_block_offsets offset for logical block j={j}, slot {t}, dim {dd} is {got}, expected {want} "
                   f"(= block_table[{j}]={table[j]} * {strides[0]} + {t} * {strides[1]} + {kv_head} * {strides[2]} "
                   f"+ {dd}; {where}).{why}")
@@ -415,7 +483,7 @@ def check_kv_block_offsets_gather(kv_block_offsets, seed: int = 0, block_sizes=(
         block_size = kc.shape[1]
         what = f"gathering with kv_block_offsets (block_size={block_size})"
         if "bounds" not in rec:
-            _launch_failed(what, rec)
+            _launch_failed(what, rec, _OFFSETS_SHAPES)
         bounds = rec["bounds"]
         outside = offsets_outside(bounds, rec["masks"], kc.numel())
         if bool(outside.any()):
@@ -424,7 +492,7 @@ def check_kv_block_offsets_gather(kv_block_offsets, seed: int = 0, block_sizes=(
                   f"sequence {b}, logical block {j}, KV head {h}, slot {t}, but the cache has only {kc.numel()} "
                   f"elements (shape {tuple(kc.shape)}, strides {kc.stride()[:3]}). Loading there would read memory "
                   "that is not the cache; check which stride multiplies what")
-        _launch_failed(what, rec)
+        _launch_failed(what, rec, _OFFSETS_SHAPES)
         max_blocks = bt.shape[1]
         out = rec["out"]
         for b, n in enumerate(lens):
@@ -535,6 +603,50 @@ def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(o).any(-1), torch.full_like(err, math.inf), err)
 
 
+def _attend_heads(q, kc, vc, bt, sl, kv_of) -> torch.Tensor:
+    """Decode attention in float64 where query head h reads KV head ``kv_of(h)`` (NaN rows where that KV head does
+    not exist): what a kernel with another head mapping computes. -> [B, Hq, D]"""
+    from pagedkv.attention import gather_kv
+
+    batch, hq, d = q.shape
+    hkv = kc.shape[2]
+    out = torch.full((batch, hq, d), math.nan, dtype=torch.float64)
+    for b, n in enumerate(sl.tolist()):
+        k, v = gather_kv(kc, vc, bt[b], n)
+        k, v = k.double(), v.double()
+        for h in range(hq):
+            g = kv_of(h)
+            if 0 <= g < hkv:
+                w = torch.softmax(k[:, g] @ q[b, h].double() * d**-0.5, 0)
+                out[b, h] = w @ v[:, g]
+    return out
+
+
+def _head_mapping_hint(out, ref, q, kc, vc, bt, sl, tol: float) -> str:
+    """A hint when the output is attention with another query-head -> KV-head mapping than h // GROUP."""
+    hq, hkv = q.shape[1], kc.shape[2]
+    group = hq // hkv
+    # Mappings defined for every head first: the identity reads KV heads that do not exist (rows not checked).
+    mappings = [(f"h % GROUP (h % {group})", lambda h: h % group),
+                (f"h % num_kv_heads (h % {hkv}, interleaved)", lambda h: h % hkv),
+                ("h, the query head itself", lambda h: h)]
+    for words, kv_of in mappings:
+        if all(kv_of(h) == h // group for h in range(hq) if kv_of(h) < hkv):
+            continue
+        alt = _attend_heads(q, kc, vc, bt, sl, kv_of)
+        known = ~torch.isnan(alt).any(-1)  # [B, Hq]: the rows that read an existing KV head
+        if bool(known.any()) and bool((_row_errors(out, alt)[known] < tol).all()):
+            return (f"each query head h was attended with KV head {words}. Query head h reads KV head "
+                    f"h // GROUP (kv_head, given at the top of the kernel): pass kv_head to kv_block_offsets")
+    return ""
+
+
+def _worst_factor(ratio: torch.Tensor) -> float:
+    """The factor of ``ratio`` farthest from 1 (a row's got / expected)."""
+    flat = ratio.reshape(-1)
+    return float(flat[int((flat - 1).abs().argmax())])
+
+
 def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16, group: int = 2,
                     dtype=torch.float32, batch_extra: int = 2, env=None) -> None:
     """The learner's version-1 kernel against the float64 reference on a random ragged batch, run with exercise
@@ -559,7 +671,10 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
     record = drive(drive_decode_v1, paged_decode_v1_kernel, q, kc, vc, bt, sl, timeout=_drive_timeout(1),
                    name="paged_decode_v1_kernel")
     _refused(record, "paged_decode_v1_kernel")
-    _launch_failed("paged_decode_v1_kernel", record)
+    _launch_failed("paged_decode_v1_kernel", record,
+                   "in the loop, k and v are [BLOCK_SIZE, HEAD_DIM], q is [HEAD_DIM], the scores s and p are "
+                   "[BLOCK_SIZE] (tl.sum(..., axis=1)), m_i and l_i are scalars (tl.max / tl.sum over axis=0) and acc "
+                   "is [HEAD_DIM] (tl.sum(p[:, None] * v, axis=0))")
     out = record.get("out")
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
         _fail("the test of paged_decode_v1_kernel: the scenario's record is incomplete: its output came back as "
@@ -582,29 +697,50 @@ def check_decode_v1(paged_decode_v1_kernel, seed: int = 0, block_size: int = 16,
         hint = ("exactly the sequences shorter than one block are NaN: acc / l_i = 0 / 0, so the loop ran zero "
                 "times for them. The loop visits every block the sequence touches, the last one partly filled: "
                 "tl.cdiv(seq_len, BLOCK_SIZE) of them, not seq_len // BLOCK_SIZE")
+    elif mapping := _head_mapping_hint(out, ref, q, kc, vc, bt, sl, TOL[dtype]):
+        hint = mapping
     elif torch.isnan(out).all():
-        hint = ("every output is NaN: acc / l_i with l_i still 0, so the loop never added anything. Is the loop "
-                "still the stub (...)?")
+        hint = ("every output is NaN. If the loop is still the stub (...), l_i stays 0 and acc / l_i is 0 / 0. If "
+                "it is written, a NaN comes from inf / inf, 0 · inf or -inf - (-inf): m_i starts at -inf, so on the "
+                "first block alpha = exp2(m_i - m_new) (old max minus new) must come out 0, and p = exp2(s - m_new) "
+                "must use the new max m_new, never the old m_i")
     elif torch.isnan(out).any():
         hint = ("some outputs are NaN: exp2(-inf - (-inf)) is NaN. Start m_i at -inf, take the max with the block's "
                 "scores first, and only then subtract")
     elif bool(bad_seq[single].any()) is False and bool(bad_seq[~single].any()):
         hint = ("sequences that fit in one block are right and longer ones are wrong: when a block raises the running "
-                "max from m_i to m_new, multiply what you accumulated (both l_i and acc) by exp2(m_i - m_new) before "
-                "adding the new block")
+                "max from m_i to m_new, multiply what you accumulated (both l_i and acc) by alpha = exp2(m_i - m_new), "
+                "computed with the old m_i, before adding the new block; then set m_i = m_new for the next block")
     elif bool(bad_seq[ragged].any()) and not bool(bad_seq[~ragged].any()):
         hint = ("only sequences whose last block is partly filled are wrong: slots past seq_len hold another "
                 "sequence's data (or garbage). Set their scores to -inf (tl.where(mask, s, float('-inf'))) and load "
                 "them as 0")
     else:
-        alt = ref_paged_attention_decode(q, kc, vc, bt, sl, scale=d**-0.5 * LOG2E, compute_dtype=torch.float64)
-        if relative_error(out, alt) < 10 * TOL[dtype]:
-            hint = ("that is softmax(q·k · scale · log2(e)) with exp: qk_scale already holds log2(e), so use tl.exp2 "
-                    "(exp2(x · log2 e) = exp(x))")
-        else:
-            alt = ref_paged_attention_decode(q, kc, vc, bt, sl, scale=1.0, compute_dtype=torch.float64)
+        scale = d**-0.5
+        alternatives = [
+            (scale * LOG2E, "that is softmax(q·k · scale · log2(e)) with exp: qk_scale already holds log2(e), so use "
+                            "tl.exp2 (exp2(x · log2 e) = exp(x))"),
+            (1 / LOG2E, "that is softmax with the scores never multiplied by qk_scale: s = Σ_d k · q, times qk_scale"),
+            (1.0, "that is softmax(q·k) with exp and no scale: multiply the scores by qk_scale and use tl.exp2"),
+            (scale * scale * LOG2E, "the scores were multiplied by qk_scale twice: once is enough (it holds the "
+                                    "softmax scale and log2(e) together)"),
+        ]
+        for alt_scale, words in alternatives:
+            alt = ref_paged_attention_decode(q, kc, vc, bt, sl, scale=alt_scale, compute_dtype=torch.float64)
             if relative_error(out, alt) < 10 * TOL[dtype]:
-                hint = "the scores were not multiplied by qk_scale"
+                hint = words
+                break
+        else:
+            r = out.double()
+            ratio = (r * ref).sum(-1) / (ref * ref).sum(-1)  # [B, Hq]: the factor that fits each row best
+            fit = _row_errors(ratio[..., None] * ref, r)
+            if bool((fit[single] < TOL[dtype]).all()) and bool(((ratio[single] - 1).abs() > 10 * TOL[dtype]).any()):
+                hint = ("the rows of the sequences that fit in one block are the right vectors times a wrong factor "
+                        f"(up to {_worst_factor(ratio[single]):.4g}): the output is acc / l_i, divided by l_i exactly "
+                        "once, after the loop (the given last lines do it); acc and l_i themselves stay sums")
+            elif dtype == torch.float32 and err < 50 * TOL[dtype]:
+                hint = ("the error is small but far above float32 rounding, as from float16 arithmetic: keep q, k, v, "
+                        "p and the running values m_i, l_i, acc in float32")
     _fail(f"paged_decode_v1_kernel: relative error {err:.3g} (allowed {TOL[dtype]:g}); first wrong row: {case}."
           + (f" Hint: {hint}" + ("" if hint.endswith((".", "?", "!")) else ".") if hint else ""))
 
@@ -650,6 +786,7 @@ def _decode_v2_harness(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     q, heads, row_mask = LOAD_FN(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM)
+    q = q.to(k_cache_ptr.dtype.element_ty)  # a tile loaded as float32 (as version 1 loads q) is fine too
     offs_n = tl.arange(0, BLOCK_SIZE)
     offs_d = tl.arange(0, HEAD_DIM)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -706,7 +843,8 @@ def drive_query_group_probe(load_query_group, num_kv_heads: int, cases) -> dict:
     for group, block_g, b, query in cases:
         batch, hq, d = query.shape
         pad_heads = (num_kv_heads + 2) * block_g
-        storage = torch.full((batch + block_g + 2, hq + pad_heads, d), float("nan"), dtype=query.dtype)
+        # As many rows as heads and more: with the two strides swapped, head h reads row h.
+        storage = torch.full((max(batch, hq) + block_g + 2, hq + pad_heads, d), float("nan"), dtype=query.dtype)
         storage[:batch, :hq] = query
         q = storage[:batch, :hq]
         q_out = torch.full((num_kv_heads, block_g, d), -7.0)
@@ -741,16 +879,21 @@ def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8)
     _refused(record, "load_query_group")
     for (group, block_g, b, q), rec in zip(cases, _cases(record, cases, "load_query_group"), strict=False):
         hq = num_kv_heads * group
-        _launch_failed(f"load_query_group (GROUP={group}, BLOCK_G={block_g})", rec)
+        _launch_failed(f"load_query_group (GROUP={group}, BLOCK_G={block_g})", rec, _GROUP_SHAPES)
         q_out, heads, rows = rec["q"], rec["heads"], rec["rows"]
         where = f"GROUP={group} (Hq={hq}, Hkv={num_kv_heads}), BLOCK_G={block_g}, sequence b={b}"
         for g in range(num_kv_heads):
             want_rows = [1 if r < group else 0 for r in range(block_g)]
             got_rows = [int(x != 0) for x in rows[g].tolist()]
             if got_rows != want_rows:
+                order = ""
+                if rows[g, :group].tolist() == [g * group + r for r in range(group)] and set(
+                        heads[g].tolist()) <= {0, 1} and got_rows != [int(x != 0) for x in heads[g].tolist()]:
+                    order = (". The second value you return holds the query heads and the third the row mask: return "
+                             "them as q, heads, row_mask, in this order")
                 _fail(f"load_query_group row mask for kv_head={g} is {got_rows}, expected {want_rows} ({where}): rows "
                       f"0..{group - 1} hold the group's query heads, rows {group}..{block_g - 1} are padding so that "
-                      "tl.dot gets 16 rows, and must be masked off")
+                      "tl.dot gets 16 rows, and must be masked off" + order)
             want_heads = [g * group + r for r in range(group)]
             got_heads = heads[g, :group].tolist()
             if got_heads != want_heads:
@@ -763,6 +906,9 @@ def check_query_group_probe(load_query_group, seed: int = 0, groups=(1, 2, 4, 8)
                            f"{group} heads, so KV head g's heads start at g * GROUP")
                 elif got_heads == [g + r for r in range(group)] and g > 0:
                     why = " KV head g's first query head is g * GROUP, not g"
+                else:
+                    why = (f" Row r of KV head g's tile is query head g * GROUP + r, here {g} * {group} + r for "
+                           f"r = 0..{group - 1} (heads = kv_head * GROUP + tl.arange(0, BLOCK_G))")
                 _fail(f"load_query_group heads for kv_head={g} are {got_heads}, expected {want_heads} ({where}).{why}")
             want_q = torch.zeros(block_g, d)
             want_q[:group] = q[b, g * group : (g + 1) * group]
@@ -803,7 +949,7 @@ def drive_group_decode(load_query_group, cases) -> dict:
         pad_heads = (hkv + 2) * block_g
         wide = torch.full((batch + block_g + 2, hq + pad_heads, d), float("nan"), dtype=query.dtype)
         out = wide[:batch, :hq]
-        qwide = torch.zeros(batch + block_g + 2, hq + pad_heads, d, dtype=query.dtype)
+        qwide = torch.zeros(max(batch, hq) + block_g + 2, hq + pad_heads, d, dtype=query.dtype)
         qwide[:batch, :hq] = query
         qv = qwide[:batch, :hq]
         failed = _attempt(launch_group_decode, load_query_group, qv, key_cache.clone(), value_cache.clone(),
@@ -844,7 +990,7 @@ def check_group_decode(load_query_group, seed: int = 0, groups=(1, 2, 4, 8), num
                                                           _cases(record, cases, "load_query_group"),
                                                           strict=False):
         hq = num_kv_heads * group
-        _launch_failed(f"decode version 2 with load_query_group (GROUP={group})", rec)
+        _launch_failed(f"decode version 2 with load_query_group (GROUP={group})", rec, _GROUP_SHAPES)
         wide = rec["wide"]
         out = wide[: len(lens), :hq]
         where = f"GROUP={group}, Hq={hq}, Hkv={num_kv_heads}, seq_lens={lens}"
