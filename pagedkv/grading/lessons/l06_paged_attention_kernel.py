@@ -605,20 +605,13 @@ def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def _attend_heads(q, kc, vc, bt, sl, kv_of) -> torch.Tensor:
     """Decode attention in float64 where query head h reads KV head ``kv_of(h)`` (NaN rows where that KV head does
-    not exist): what a kernel with another head mapping computes. -> [B, Hq, D]"""
-    from pagedkv.attention import gather_kv
-
-    batch, hq, d = q.shape
+    not exist): what a kernel with another head mapping computes. The reference on caches whose head h is KV head
+    ``kv_of(h)``. -> [B, Hq, D]"""
     hkv = kc.shape[2]
-    out = torch.full((batch, hq, d), math.nan, dtype=torch.float64)
-    for b, n in enumerate(sl.tolist()):
-        k, v = gather_kv(kc, vc, bt[b], n)
-        k, v = k.double(), v.double()
-        for h in range(hq):
-            g = kv_of(h)
-            if 0 <= g < hkv:
-                w = torch.softmax(k[:, g] @ q[b, h].double() * d**-0.5, 0)
-                out[b, h] = w @ v[:, g]
+    heads = [kv_of(h) for h in range(q.shape[1])]
+    idx = torch.tensor([g if 0 <= g < hkv else 0 for g in heads])
+    out = ref_paged_attention_decode(q, kc[:, :, idx], vc[:, :, idx], bt, sl, compute_dtype=torch.float64)
+    out[:, [h for h, g in enumerate(heads) if not 0 <= g < hkv]] = math.nan
     return out
 
 
