@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-from hypothesis import settings
+# One thread per test process, children included (notebook kernels, grading workers, engine processes): the
+# suite runs one pytest-xdist worker more than the cores, so torch's and OpenBLAS's own thread pools (one thread
+# per core each) would only take turns, and their waiting threads spin. Set before numpy or torch is first
+# loaded; a value of one's own (OMP_NUM_THREADS=4 pytest ...) is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # nbformat imports jsonschema, which builds a grammar for IRI strings with lark when `rfc3987_syntax` is
 # installed (JupyterLab's jupyter-events brings it): about 2.5 CPU-seconds in every test process, each xdist
