@@ -63,3 +63,15 @@ def test_refusing_a_valid_boundary_fails_the_refusals(old: str, new: str) -> Non
     ]
     refusals = results[1]
     assert not refusals[0] and "raised ValueError" in refusals[1], results
+
+
+def test_ignoring_head_dim_fails_a_public_case_saying_so() -> None:
+    """``hidden_size // num_attention_heads`` in place of the config's ``head_dim`` passed every public case (no
+    published model had a head_dim of its own) and lost only the hidden point."""
+    src = NB.solutions["kv_page_bytes_per_rank"]
+    right = 'head_dim = config.get("head_dim") or config["hidden_size"] // heads'
+    assert right in src
+    wrong = src.replace(right, 'head_dim = config["hidden_size"] // heads')
+    failures = NB.failures("kv_page_bytes_per_rank", wrong)
+    assert len(failures) == 1, failures  # the dense models' case; the MLA case has no head_dim to read
+    assert "Qwen3-0.6B" in failures[0] and "this config has head_dim=128: use it" in failures[0], failures

@@ -45,6 +45,9 @@ DENSE: dict[str, dict[str, Any]] = {
                           intermediate_size=28672),
     "Qwen2.5-1.5B": dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, hidden_size=1536,
                          intermediate_size=8960),
+    # head_dim 128, although hidden_size // num_attention_heads is 64
+    "Qwen3-0.6B": dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, hidden_size=1024,
+                       intermediate_size=3072, head_dim=128),
 }  # fmt: skip
 MLA: dict[str, Any] = dict(num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
                            hidden_size=7168, intermediate_size=18432, kv_lora_rank=512, qk_rope_head_dim=64)
@@ -198,7 +201,8 @@ def _check_page(fn: Callable, config: dict[str, Any], tp: int, block_size: int, 
 
 
 def check_page_dense(kv_page_bytes_per_rank: Any) -> None:
-    """Llama-3.1-70B and Qwen2.5-1.5B at tp 1, 2, 4, 8 (16 when it divides), bf16 and fp8 (1 point)."""
+    """Llama-3.1-70B, Qwen2.5-1.5B and Qwen3-0.6B (its own head_dim) at tp 1, 2, 4, 8 (16 when it divides),
+    bf16 and fp8 (1 point)."""
     require_function(kv_page_bytes_per_rank, "kv_page_bytes_per_rank")
     for name, config in DENSE.items():
         for tp in (1, 2, 4, 8, 16):
