@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from pagedkv.request import Request
 
 
+class BlockTableIndexError(IndexError, ValueError):
+    """``cache_full_blocks`` asked for blocks past the end of the table it was given (catch it as IndexError,
+    what indexing the table would raise, or ValueError, the lab's error for a bad argument)."""
+
+
 class BlockPool:
     """All ``num_blocks`` physical blocks of the KV cache, by id.
 
@@ -109,8 +114,16 @@ class BlockPool:
         of a prefix. With events enabled, one ``BlockStored`` names the blocks cached. Mirrors
         ``BlockPool.cache_full_blocks``.
         """
+        # checked before anything changes: a negative start would index the table from its end and cache its
+        # last block under another position's hash, and a table shorter than num_full_blocks would fail midway
+        # (vLLM slices, blocks[num_cached_blocks:num_full_blocks], and asserts on the hashes)
+        num_cached_blocks = check_int(num_cached_blocks, "num_cached_blocks", 0)
+        num_full_blocks = check_int(num_full_blocks, "num_full_blocks", None)
         if num_cached_blocks >= num_full_blocks:
             return
+        if num_full_blocks > len(blocks):
+            raise BlockTableIndexError(f"num_full_blocks={num_full_blocks} is past the end of the blocks given: the "
+                                       f"table has {len(blocks)} (blocks[{num_cached_blocks}:{num_full_blocks}])")
         if block_size is not None and len(request.block_hashes) < num_full_blocks:
             update_block_hashes(request, block_size, hash_fn)
         if len(request.block_hashes) < num_full_blocks:

@@ -433,8 +433,9 @@ class LLM:
                     raise ValueError("text prompts need a tokenizer; this model has none: pass token ids")
                 tokens = list(self.tokenizer(p)["input_ids"])
                 texts.append(p)
-            elif _is_token_list(p) or isinstance(p, np.ndarray):
-                tokens = _token_ids(i, p)
+            elif _is_token_list(p) or isinstance(p, np.ndarray) or (
+                    isinstance(p, Sequence) and not isinstance(p, (bytes, bytearray)) and len(p) == 0):
+                tokens = _token_ids(i, p)  # an empty list too: refused below as empty, not as "not a list"
                 texts.append(None)
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")

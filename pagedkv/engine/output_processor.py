@@ -14,6 +14,7 @@ whole output again on every token (simple and exact; vLLM decodes incrementally 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,17 +127,24 @@ class RequestState:
             self.token_times.extend([now] * len(token_ids))
         self.output_token_ids.extend(token_ids)
         if self.tokenizer is not None and token_ids:
-            before = len(self.text)
+            before = self.text
             self.text = decode_output(self.tokenizer, self.output_token_ids, finish_reason,
                                       self.include_stop_str_in_output)
-            if not self._check_stop_strings(max(0, len(self.text) - before)) and finish_reason is not None:
+            # the new characters are those after the part of the text that did not change: a character whose
+            # bytes were split over tokens showed as U+FFFD and is replaced now, perhaps by a stop string (the
+            # length alone may not grow). vLLM's detokenizer emits such a character once complete, as new text
+            # (IncrementalDetokenizer.update: stop_check_offset, vllm/v1/engine/detokenizer.py)
+            unchanged = len(os.path.commonprefix([before, self.text]))
+            if not self._check_stop_strings(len(self.text) - unchanged) and finish_reason is not None:
                 self.finish_reason, self.stop_reason = finish_reason, stop_reason
         elif finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
-        end = len(self.text) - self._hold_back()
+        end = len(self.text)
         while end > self.sent and not self.finished and self.text[end - 1] == "\ufffd":
             end -= 1  # a character still being decoded (the rest of its bytes come with the next token)
-        end = max(end, self.sent)
+        # then the possible stop-string prefix, counted in the settled text: vLLM's detokenizer has not emitted a
+        # half-decoded character yet, so its hold-back (output_text_buffer_length) ends before it
+        end = max(end - self._hold_back(), self.sent)
         delta_text = self.text[self.sent:end]
         self.sent = end
         if not delta_text and not token_ids and not self.finished:
