@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_runnable
+from ._common import check_runnable, contiguous_index, contiguous_rows
 
 
 @triton.jit
@@ -52,29 +52,66 @@ def compute_slot_mappings(
     positions: torch.Tensor,  # [T] int64
     block_size: int,
     out: torch.Tensor | None = None,  # [>= T] int64
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """The ``[T]`` int64 slot of every scheduled token (request after request, as ``query_start_loc`` says).
-    All tensors on one device (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``ValueError`` on a wrong dtype or
-    device; nothing is written then."""
+    All tensors on one device (CUDA, or CPU under ``TRITON_INTERPRET=1``), in any memory layout (a strided index
+    vector is copied first). ``ValueError``, with nothing written, on a wrong dtype, rank, device or length, a
+    ``block_size`` below 1, or an ``out`` that is not a packed int64 vector of at least T elements; and, with
+    ``validate`` (which reads the small vectors back to the host: one synchronisation on a GPU), on a
+    ``query_start_loc`` that does not rise from 0 to at most T, a row outside the table, or a position past the
+    end of its row."""
     tensors = {"block_tables": block_tables, "idx_mapping": idx_mapping, "query_start_loc": query_start_loc,
                "positions": positions}
     device = block_tables.device
     for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, block_tables on {device}: give them one device")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError(f"block_tables must be a 2-D int32 tensor, got {block_tables.dtype} "
                          f"{tuple(block_tables.shape)}")
+    for name in ("idx_mapping", "query_start_loc", "positions"):
+        t = tensors[name]
+        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D int32 or int64 tensor, got {t.dtype} {tuple(t.shape)}")
     if idx_mapping.shape[0] + 1 != query_start_loc.shape[0]:
         raise ValueError(f"{idx_mapping.shape[0]} requests but {query_start_loc.shape[0]} query_start_loc entries")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    num_tokens, num_reqs = positions.shape[0], idx_mapping.shape[0]
+    if out is not None and (out.dtype != torch.int64 or out.dim() != 1 or out.shape[0] < num_tokens
+                            or out.device != device or (out.shape[0] > 1 and out.stride(0) != 1)):
+        raise ValueError(f"out must be a packed 1-D int64 tensor of at least {num_tokens} elements on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")
     check_runnable(device)
-    num_tokens = positions.shape[0]
+    if validate:
+        _check_values(block_tables, idx_mapping, query_start_loc, positions, block_size)
     if out is None:
         out = torch.empty(num_tokens, dtype=torch.int64, device=device)
-    num_reqs = idx_mapping.shape[0]
     if num_reqs and num_tokens:
+        block_tables = contiguous_rows(block_tables)
         _compute_slot_mappings_kernel[(num_reqs,)](
-            idx_mapping, query_start_loc, positions.contiguous(), block_tables, block_tables.stride(0), out,
-            BLOCK_SIZE=block_size, TRITON_BLOCK=256,
+            contiguous_index(idx_mapping), contiguous_index(query_start_loc), contiguous_index(positions),
+            block_tables, block_tables.stride(0), out, BLOCK_SIZE=block_size, TRITON_BLOCK=256,
         )
     return out[:num_tokens]
+
+
+def _check_values(block_tables: torch.Tensor, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                  positions: torch.Tensor, block_size: int) -> None:
+    """What the kernel would read out of bounds through: the offsets, the rows, the positions (host copies)."""
+    qsl, idx, pos = query_start_loc.cpu().long(), idx_mapping.cpu().long(), positions.cpu().long()
+    num_tokens = pos.shape[0]
+    if int(qsl[0]) != 0 or bool((qsl[1:] < qsl[:-1]).any()) or int(qsl[-1]) > num_tokens:
+        raise ValueError(f"query_start_loc must rise from 0 to at most the {num_tokens} positions, got "
+                         f"{qsl.tolist()}")
+    rows, width = block_tables.shape
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        raise ValueError(f"idx_mapping names rows {idx.tolist()}, but block_tables has rows 0..{rows - 1}")
+    used = pos[: int(qsl[-1])]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= width * block_size):
+        raise ValueError(f"positions must lie in 0..{width * block_size - 1} (a row holds {width} blocks of "
+                         f"{block_size}), got {int(used.min())}..{int(used.max())}")

@@ -186,3 +186,24 @@ def test_an_output_whose_elements_alias_each_other_is_refused():
     with pytest.raises(ValueError, match="stride of 0"):
         pk.paged_prefill_attention(p["query"], p["key_cache"], p["value_cache"], p["block_tables"], p["seq_lens"],
                                    p["query_start_loc"], out=torch.empty(1, 4, 16, device=DEVICE).expand(10, 4, 16))
+
+
+def test_compute_slot_mappings_is_right_for_any_layout():
+    """A strided ``query_start_loc`` used to crash the interpreter and a strided ``idx_mapping`` gave wrong slots:
+    the kernel read them as packed."""
+    bt = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=torch.int32, device=DEVICE)
+    tensors = dict(block_tables=bt, idx_mapping=torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE),
+                   query_start_loc=torch.tensor([0, 2, 3, 5], dtype=torch.int32, device=DEVICE),
+                   positions=torch.tensor([0, 5, 1, 2, 11], device=DEVICE),
+                   out=torch.full((5,), -7, dtype=torch.int64, device=DEVICE))
+    want = [7 * 4 + 0, 8 * 4 + 1, 1 * 4 + 1, 4 * 4 + 2, 6 * 4 + 3]
+
+    def call(block_tables, idx_mapping, query_start_loc, positions, out):
+        out.fill_(-7)
+        return pk.compute_slot_mappings(block_tables, idx_mapping, query_start_loc, positions, 4, out=out)
+
+    def check(got, args, what):
+        assert got.tolist() == want, what
+        assert args["out"].tolist() == want, f"{what}: out"
+
+    assert _run_sweep(call, tensors, check) > 15

@@ -136,3 +136,47 @@ def test_decode_inputs_come_from_the_runner_not_the_host():
     runner.execute_model = corrupt_then_execute
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] != refs
+
+
+def _slot_args(**change):
+    args = dict(block_tables=torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32),
+                idx_mapping=torch.tensor([1, 0], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32),
+                positions=torch.tensor([0, 5, 1]), block_size=4)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (dict(block_size=0), "block_size must be an int >= 1"),
+    (dict(block_size=True), "block_size must be an int >= 1"),
+    (dict(positions=torch.tensor([0.0, 5.0, 1.0])), "positions must be a 1-D int32 or int64"),
+    (dict(idx_mapping=torch.tensor([[1, 0]], dtype=torch.int32)), "idx_mapping must be a 1-D"),
+    (dict(query_start_loc=torch.tensor([0, 2, 3], dtype=torch.float32)), "query_start_loc must be a 1-D"),
+    (dict(out=torch.zeros(2, dtype=torch.int64)), "at least 3 elements"),
+    (dict(out=torch.zeros(3, dtype=torch.int32)), "int64"),
+    (dict(out=torch.zeros(6, dtype=torch.int64)[::2]), "packed"),
+    (dict(query_start_loc=torch.tensor([0, 2, 4], dtype=torch.int32)), "rise from 0 to at most the 3"),
+    (dict(query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32)), "rise from 0"),
+    (dict(query_start_loc=torch.tensor([1, 2, 3], dtype=torch.int32)), "rise from 0"),
+    (dict(idx_mapping=torch.tensor([2, 0], dtype=torch.int32)), "rows 0..1"),
+    (dict(idx_mapping=torch.tensor([-1, 0], dtype=torch.int32)), "rows 0..1"),
+    (dict(positions=torch.tensor([0, 12, 1])), r"positions must lie in 0\.\.11"),
+    (dict(positions=torch.tensor([0, -1, 1])), r"positions must lie in 0\.\.11"),
+])  # fmt: skip
+def test_slot_mapping_kernel_refuses_bad_input_and_writes_nothing(change, match):
+    """A short ``out`` used to corrupt the heap, block_size 0 to divide by zero inside the kernel, a float
+    position to fail in the interpreter; a bad offset, row or position would be read out of bounds."""
+    out = torch.full((3,), -7, dtype=torch.int64)
+    args = _slot_args(**change)
+    args.setdefault("out", out)
+    before = args["out"].clone()
+    with pytest.raises(ValueError, match=match):
+        compute_slot_mappings(**args)
+    assert torch.equal(args["out"], before)
+
+
+def test_slot_mapping_kernel_positions_past_the_offsets_are_not_read():
+    """Only the positions ``query_start_loc`` covers are checked and used (the rest of a persistent buffer)."""
+    got = compute_slot_mappings(**_slot_args(positions=torch.tensor([0, 5, 1, 999])))
+    assert got.shape == (4,) and got[:3].tolist() == [16, 21, 5]

@@ -69,7 +69,9 @@ class BlockTables:
         if self.slot_mapping_impl == "triton":
             from pagedkv.kernels import compute_slot_mappings
 
-            return compute_slot_mappings(self.block_tables, idx_mapping, query_start_loc, positions, self.block_size)
+            # validate=False: the engine built these vectors itself, and the check would read them back to the host
+            return compute_slot_mappings(self.block_tables, idx_mapping, query_start_loc, positions, self.block_size,
+                                         validate=False)
         if token_req_index is None:
             counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
             token_req_index = idx_mapping.long().repeat_interleave(counts)
