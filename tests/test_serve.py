@@ -156,7 +156,7 @@ BAD = [
     (b'{"prompt": "hi", "temperature": 3.5}', 400, "temperature"),
     (b'{"prompt": "hi", "top_p": 0}', 400, "top_p"),
     (b'{"prompt": "hi", "top_k": -5}', 400, "top_k"),
-    (b'{"prompt": [600, 1]}', 400, "prompt"),
+    (b'{"prompt": [600, 1]}', 400, None),  # vLLM 0.26: a plain ValueError, no param (test below)
     (b'{"prompt": "hi", "stop_token_ids": [100000]}', 400, "stop_token_ids"),
     (b'{"prompt": ""}', 400, "prompt"),
     (b'{"prompt": []}', 400, "prompt"),
@@ -197,6 +197,16 @@ def test_bad_requests_get_openai_errors_and_change_nothing(srv, body, status, pa
         assert err["param"] == param, err
     assert srv.client.get("/health").status_code == 200
     assert idle(srv)["block_tables"] == {}
+
+
+def test_a_token_out_of_the_vocabulary_gets_vllms_words_and_no_param(srv):
+    """``InputProcessor._validate_model_input`` (vllm/v1/engine/input_processor.py) raises a plain ValueError,
+    which vLLM 0.26's ``create_error_response`` turns into a 400 without a param."""
+    r = srv.client.post("/v1/completions", json={"prompt": [600, 1, 9999]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == "Token id 9999 is out of vocabulary" and err["param"] is None, err
+    assert err["type"] == "BadRequestError" and idle(srv)["block_tables"] == {}
 
 
 def test_bad_chat_requests(srv):

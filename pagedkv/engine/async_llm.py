@@ -203,7 +203,9 @@ class AsyncLLM:
         vocab = self.llm.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"Token id {max(bad)} is out of vocabulary (0..{vocab - 1}).", "prompt")
+            # vLLM 0.26's words and a plain ValueError, so no param (InputProcessor._validate_model_input,
+            # vllm/v1/engine/input_processor.py)
+            raise InvalidRequestError(f"Token id {max(bad)} is out of vocabulary")
         try:
             self.llm._check_fits(0, n, max_tokens)
         except ValueError as exc:
