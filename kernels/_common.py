@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 
 import torch
@@ -209,8 +210,13 @@ def contiguous_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """``scale`` as a float (``1/sqrt(head_dim)`` for None): a positive finite real number, never a bool or a
+    string (``float("0.5")`` would otherwise turn a string into a scale). vLLM 0.26's ``AttentionImpl`` takes
+    ``scale: float`` (vllm/v1/attention/backend.py)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, (numbers.Real, torch.Tensor)):
+        raise ValueError(f"scale must be a positive finite number or None; got {scale!r}")
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number; got {scale}")
@@ -263,3 +269,32 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if any(s == 0 and n > 1 for s, n in zip(out.stride(), out.shape, strict=True)):
         raise ValueError(f"out has a stride of 0 (an expanded view, elements aliasing each other): {out.stride()}")
     return out
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses of ``t``'s elements (empty for an empty tensor)."""
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0) * t.element_size()
+    return (start, start + last + t.element_size())
+
+
+def check_out_overlap(out: torch.Tensor, query: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
+    """Refuse an ``out`` whose memory overlaps an input: programs would read what others already wrote (a
+    partly shifted query) or write into the cache they read. ``out`` may be ``query`` itself (each program reads
+    its rows of the query before it writes the same rows of ``out``). The lab's own check: vLLM 0.26's
+    ``unified_attention`` (vllm/v1/attention/ops/triton_unified_attention.py) trusts the ``out`` its caller
+    allocated. Compares byte ranges, so views that interleave without sharing an element are refused too."""
+    lo, hi = _byte_span(out)
+    if hi == lo:
+        return
+    same_as_query = (out.data_ptr() == query.data_ptr() and out.shape == query.shape
+                     and out.stride() == query.stride())
+    for name, t in {"query": query, **inputs}.items():
+        if name == "query" and same_as_query:
+            continue
+        t_lo, t_hi = _byte_span(t)
+        if t_hi > t_lo and t_lo < hi and lo < t_hi:
+            raise ValueError(f"out overlaps {name} in memory: give a separate tensor (or the query itself, "
+                             "for an in-place result)")

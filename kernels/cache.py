@@ -122,6 +122,11 @@ def reshape_and_cache(
                     ("slot_mapping", slot_mapping)):
         check_device(name, t, device)
     check_runnable(device)
+    if key_cache.data_ptr() == value_cache.data_ptr() and key_cache.numel():
+        # Same strides (checked above) and the same first element: one tensor, so every value would overwrite its
+        # key. (vLLM's packed layout splits one tensor into two views that start head_size apart: accepted.)
+        raise ValueError("key_cache and value_cache are the same memory: pass two caches (or two views of a "
+                         "packed cache)")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_tokens = key.shape[0]
     if validate and num_tokens:

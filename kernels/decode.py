@@ -37,6 +37,7 @@ from ._common import (
     check_block_tables,
     check_fp8_supported,
     check_out,
+    check_out_overlap,
     check_query_and_cache,
     check_table_shapes,
     contiguous_index,
@@ -197,7 +198,8 @@ def paged_attention_decode(
 
     Mirrors: vLLM 0.26's ``unified_attention`` (vllm/v1/attention/ops/triton_unified_attention.py).
     """
-    if version is not None and version not in DECODE_VERSIONS:
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                or version not in DECODE_VERSIONS):  # True == 1 and 4.0 == 4 are no versions
         raise ValueError(f"version must be one of {DECODE_VERSIONS} or None; got {version!r}")
     if num_splits is not None:
         check_int(num_splits, "num_splits", 1, 4 * MAX_SPLITS)
@@ -225,6 +227,9 @@ def paged_attention_decode(
             config = _fit(config, query.shape[-1], plan.element_size, query.device)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    else:
+        check_out_overlap(out, query, {"key_cache": key_cache, "value_cache": value_cache,
+                                       "block_tables": block_tables, "seq_lens": seq_lens})
     if plan.batch == 0:
         return out
     if plan.copy_query:

@@ -24,13 +24,16 @@ import triton
 import triton.language as tl
 
 from pagedkv.attention import check_sliding_window
+from pagedkv.utils import check_int
 
 from ._common import (
     LOG2E,
     check_block_tables,
     check_fp8_supported,
     check_out,
+    check_out_overlap,
     check_query_and_cache,
+    check_table_shapes,
     contiguous_index,
     contiguous_rows,
     dot_precision,
@@ -170,7 +173,18 @@ def paged_prefill_attention(
         {"block_tables": block_tables, "seq_lens": seq_lens, "query_start_loc": query_start_loc},
         "num_tokens",
     )
+    # Shapes and dtypes need no host read: checked with validate=False too (as paged_attention_decode does), so
+    # a 1-D or too-short block table is refused instead of read past its end.
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    check_table_shapes(block_tables, seq_lens, batch)
+    if max_query_len is not None:
+        # A packed batch of T tokens in B sequences has its longest query in cdiv(T, B)..T (0 when T == 0): a
+        # smaller value would leave rows of ``out`` unwritten. vLLM 0.26's ``unified_attention`` trusts its
+        # ``max_seqlen_q``; the lab refuses what it can check without reading query_start_loc.
+        least = -(-num_tokens // batch) if batch and num_tokens else 0
+        max_query_len = check_int(max_query_len, "max_query_len", least, num_tokens,
+                                  why=f"the longest sequence's new tokens, for {num_tokens} tokens in {batch} "
+                                  "sequences")
     if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (batch + 1,):
         raise ValueError(
             f"query_start_loc must be int32 of shape [batch + 1] = [{batch + 1}]; got {query_start_loc.dtype} "
@@ -195,10 +209,14 @@ def paged_prefill_attention(
         check_fp8_supported(query.device)
     k_scale = resolve_kv_scale("k_scale", k_scale, key_cache.dtype)
     v_scale = resolve_kv_scale("v_scale", v_scale, key_cache.dtype)
+    scale = resolve_scale(scale, head_dim)
+    if out is not None:
+        check_out_overlap(out, query, {"key_cache": key_cache, "value_cache": value_cache,
+                                       "block_tables": block_tables, "seq_lens": seq_lens,
+                                       "query_start_loc": query_start_loc})
     out = check_out(out, query)
     if num_tokens == 0 or max_query_len == 0:
         return out
-    scale = resolve_scale(scale, head_dim)
     if query.stride(-1) != 1:
         query = query.contiguous()
     seq_lens = contiguous_index(seq_lens)  # read at ptr + b

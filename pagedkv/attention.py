@@ -50,11 +50,20 @@ def gather_kv(
     """Gather one sequence's scattered blocks into dense K and V, each ``[seq_len, Hkv, D]``.
 
     Nothing is modified. This is what "the kernel gathers scattered blocks" means, written as two
-    indexing operations instead of pointer arithmetic.
+    indexing operations instead of pointer arithmetic. Raises ValueError, as the kernels do, for a ``seq_len``
+    outside ``0 .. len(block_table) * block_size`` or a used entry outside the cache's block ids (torch would
+    read a negative id from the end of the cache).
     """
     block_size = key_cache.shape[1]
+    if isinstance(seq_len, torch.Tensor) and seq_len.dim() == 0 and not seq_len.is_floating_point():
+        seq_len = int(seq_len)  # seq_lens[b] of an int tensor works as well as seq_lens.tolist()[b]
+    seq_len = check_int(seq_len, "seq_len", 0, block_table.shape[0] * block_size,
+                        why=f"the table has {block_table.shape[0]} blocks of {block_size} tokens")
     num_used = -(-seq_len // block_size)  # ceil: the blocks that hold this sequence's tokens
     ids = block_table[:num_used].long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= key_cache.shape[0]):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"block_table holds block id {bad}, outside the cache's 0..{key_cache.shape[0] - 1}")
     k = key_cache[ids].reshape(num_used * block_size, *key_cache.shape[2:])[:seq_len]
     v = value_cache[ids].reshape(num_used * block_size, *value_cache.shape[2:])[:seq_len]
     return k, v

@@ -173,6 +173,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"== {name} ({BENCHMARKS[name]})", flush=True)
         rc = subprocess.call([sys.executable, "-m", BENCHMARKS[name], *extra])
         if rc != 0:
+            if len(names) == 1:
+                return rc  # its own status: 2 for a bad option (argparse's usage error), as for pagedkv's own
             print(f"pagedkv bench: {name} exited with status {rc}", file=sys.stderr)
             status = 1
     return status

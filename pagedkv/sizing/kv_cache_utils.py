@@ -174,14 +174,28 @@ def max_concurrency(num_blocks: int, block_size: int, num_tokens: int) -> float:
 
 def check_enough_kv_cache_memory(available: int, page_bytes: int, num_layers: int, block_size: int, max_len: int):
     """vLLM 0.26's ``kv_cache_utils.py::check_enough_kv_cache_memory`` for one full-attention group: one request
-    of ``max_model_len`` tokens must fit (``cdiv(max_model_len, block_size) * page_size`` per layer)."""
+    of ``max_model_len`` tokens must fit (``cdiv(max_model_len, block_size) * page_size`` per layer). As in
+    ``_check_enough_kv_cache_memory``, ``available <= 0`` is its own error and the estimated maximum length is
+    named only when it is above 0."""
+    if isinstance(available, bool) or not isinstance(available, numbers.Real) or math.isnan(available):
+        raise ValueError(f"available must be a number of bytes, got {available!r}")
+    page_bytes = check_int(page_bytes, "page_bytes", 1)
+    num_layers = check_int(num_layers, "num_layers", 1)
+    block_size = check_int(block_size, "block_size", 1)
+    max_len = check_int(max_len, "max_len", 1)
+    if available <= 0:
+        raise ValueError(
+            "No available memory for the cache blocks: the weights, activations and non-torch memory take all of "
+            f"the requested memory ({format_gib(available)} GiB left). Raise gpu_memory_utilization / total_memory."
+        )
     needed = cdiv(max_len, block_size) * page_bytes * num_layers
     if needed > available:
-        max_fit = available // (page_bytes * num_layers) * block_size
+        max_fit = int(available // (page_bytes * num_layers)) * block_size
+        estimate = (f"Based on the available memory, the estimated maximum model length is {max_fit}. "
+                    if max_fit > 0 else "")
         raise ValueError(
             f"To serve at least one request with the model's max seq len ({max_len}), {format_gib(needed)} GiB "
             f"KV cache is needed, which is larger than the available KV cache memory ({format_gib(available)} "
-            f"GiB). Based on the available memory, the estimated maximum model length is {max_fit}. Lower "
-            "max_model_len, or raise gpu_memory_utilization / total_memory."
+            f"GiB). {estimate}Lower max_model_len, or raise gpu_memory_utilization / total_memory."
         )
 

@@ -85,9 +85,14 @@ def model_shape(config: Any) -> ModelShape:
             raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}; set head_dim")
         head_dim = hidden // num_heads
     head_dim = check_int(head_dim, "config.head_dim", 1)
-    intermediate = _config_get(config, "intermediate_size") or 4 * hidden
-    vocab = _config_get(config, "vocab_size") or 0
+    # The optional numbers: None (or absent) takes the default; anything else must be a whole count, not a
+    # negative, a float truncated by int() or a string (vLLM 0.26 reads them from a validated HF config).
+    intermediate = _config_get(config, "intermediate_size")
+    intermediate = 4 * hidden if intermediate is None else check_int(intermediate, "config.intermediate_size", 1)
+    vocab = _config_get(config, "vocab_size")
+    vocab = 0 if vocab is None else check_int(vocab, "config.vocab_size", 0)
     max_pos = _config_get(config, "max_position_embeddings")
+    max_pos = None if max_pos is None else check_int(max_pos, "config.max_position_embeddings", 1)
     return ModelShape(
         num_layers=num_layers,
         num_attention_heads=num_heads,
@@ -139,7 +144,9 @@ def estimate_peak_activation(
     s = model_shape(config)
     num_tokens = check_int(num_tokens, "num_tokens", 1)
     dtype = s.dtype if dtype is None else dtype
-    rows = min(num_tokens, 256) if num_logit_rows is None else num_logit_rows
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch dtype or None (the config's), got {dtype!r}")
+    rows = min(num_tokens, 256) if num_logit_rows is None else check_int(num_logit_rows, "num_logit_rows", 0)
     q_width = s.num_attention_heads * s.head_dim
     kv_width = s.num_kv_heads * s.head_dim
     widest = max(3 * s.intermediate_size, 3 * q_width + 4 * kv_width)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from pagedkv.sizing import (
     num_parameters,
     resolve_kv_cache_dtype,
 )
+from pagedkv.sizing.kv_cache_utils import _check_utilization, _memory_figure, request_memory
 from pagedkv.utils import check_int
 
 
@@ -57,7 +59,9 @@ def is_mla(config: Any) -> bool:
 def mla_head_size(config: Any) -> int:
     """The latent vector cached per token and layer: ``kv_lora_rank + qk_rope_head_dim`` (576 for DeepSeek-V3),
     ``ModelArchConfigConvertor.get_head_size`` for an MLA model."""
-    return int(_get(config, "kv_lora_rank")) + int(_get(config, "qk_rope_head_dim") or 0)
+    rope = _get(config, "qk_rope_head_dim")
+    return (check_int(_get(config, "kv_lora_rank"), "config.kv_lora_rank", 1)
+            + (0 if rope is None else check_int(rope, "config.qk_rope_head_dim", 0)))
 
 
 def rank_shape(config: Any, tp_size: int) -> ModelShape:
@@ -154,25 +158,38 @@ def rank_sizing(
     mla = is_mla(config)
     full = None if mla else model_shape(config)
     shard = None if mla else rank_shape(config, tp_size)
-    num_layers = int(_get(config, "num_hidden_layers"))
+    num_layers = check_int(_get(config, "num_hidden_layers"), "config.num_hidden_layers", 1)
     if max_model_len is None:
-        max_model_len = int(_get(config, "max_position_embeddings") or 2048)
+        max_pos = _get(config, "max_position_embeddings")
+        max_model_len = 2048 if max_pos is None else max_pos
+    max_model_len = check_int(max_model_len, "max_model_len", 1)
     page = kv_page_bytes_per_rank(config, tp_size, block_size, kv_cache_dtype)
+    # Every figure checked here, so that only "nothing is left for the cache" gives num_blocks = 0 below (a bad
+    # utilization or a negative figure is an error, not a model that does not fit).
+    total_memory = _memory_figure(total_memory, "total_memory")
+    gpu_memory_utilization = _check_utilization(gpu_memory_utilization)
+    non_torch_memory = _memory_figure(non_torch_memory, "non_torch_memory")
+    if weights_memory is not None:
+        weights_memory = _memory_figure(weights_memory, "weights_memory")
+    if peak_activation_memory is not None:
+        peak_activation_memory = _memory_figure(peak_activation_memory, "peak_activation_memory")
     if weights_memory is None:
         if mla:
             raise ValueError("pass weights_memory for an MLA model (num_parameters counts Llama-style layers only)")
         bits = shard.dtype.itemsize * 8 if weight_bits is None else weight_bits
+        if isinstance(bits, bool) or not isinstance(bits, numbers.Real) or not 0 < bits < math.inf:
+            raise ValueError(f"weight_bits must be > 0, got {weight_bits!r}")  # as analytic_profile checks it
         weights_memory = math.ceil(num_parameters(shard) * bits / 8)
     if peak_activation_memory is None:
         if mla:
             raise ValueError("pass peak_activation_memory for an MLA model")
         peak_activation_memory = estimate_peak_activation(shard, max_num_batched_tokens)
-    requested = math.ceil(total_memory * gpu_memory_utilization)
-    try:
+    requested = request_memory(total_memory, gpu_memory_utilization)
+    if requested - non_torch_memory - peak_activation_memory - weights_memory <= 0:
+        blocks = 0  # what num_gpu_blocks refuses (vLLM: "No available memory for the cache blocks")
+    else:
         blocks = num_gpu_blocks(total_memory, gpu_memory_utilization, weights_memory, peak_activation_memory,
                                 non_torch_memory, 0, page, num_layers)
-    except ValueError:
-        blocks = 0
     kv_heads = 1 if mla else shard.num_kv_heads
     replicas = tp_size if mla else max(1, tp_size // full.num_kv_heads)
     return RankSizing(tp_size, kv_heads, replicas, page, int(weights_memory), int(peak_activation_memory),
