@@ -205,3 +205,21 @@ def test_bench_passes_a_benchmarks_usage_error_status_through(monkeypatch, capsy
     assert cli.main(["bench", "kernels", "--bogus"]) == 2
     monkeypatch.setattr(cli.subprocess, "call", lambda argv: 3)
     assert cli.main(["bench", "kernels", "--bogus"]) == 3
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (dict(num_requests=-1), "num_requests must be an int >= 0"),  # was numpy's "negative dimensions"
+    (dict(num_requests=2.5), "num_requests must be an int"),  # was "expected a sequence of integers"
+    (dict(prompt_median=0), "prompt_median must be a finite number > 0"),
+    (dict(output_sigma=float("nan")), "output_sigma must be a finite number >= 0"),
+    (dict(max_len=4), "max_len must be an int >= 5"),  # min_prompt 4 + one output token
+    (dict(seed=-1), "seed must be an int >= 0"),
+    (dict(vocab_size=0), "vocab_size must be an int >= 1"),
+])  # fmt: skip
+def test_a_workload_that_cannot_be_drawn_is_refused_naming_its_field(change, match):
+    from pagedkv.sim.workload import WorkloadSpec, make_requests
+
+    with pytest.raises(ValueError, match=match):
+        make_requests(WorkloadSpec(**change))
+    assert make_requests(WorkloadSpec(num_requests=0)) == []
+    assert len(make_requests(num_requests=3, max_len=5)) == 3

@@ -10,11 +10,14 @@ the real trace, not real data: nothing is downloaded.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from pagedkv.request import Request
+from pagedkv.utils import check_int
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,21 @@ class WorkloadSpec:
     vocab_size: int = 32000
     shared_prefix_len: int = 0  # a system prompt every request starts with (for prefix caching)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse a workload that cannot be drawn, with the field at fault (numpy's own errors name none)."""
+        check_int(self.num_requests, "num_requests", 0)
+        check_int(self.min_prompt, "min_prompt", 1)
+        check_int(self.shared_prefix_len, "shared_prefix_len", 0)
+        check_int(self.max_len, "max_len", self.min_prompt + self.shared_prefix_len + 1,
+                  why="room for the shortest prompt, the shared prefix and one output token")
+        check_int(self.vocab_size, "vocab_size", 1)
+        check_int(self.seed, "seed", 0)
+        for name in ("prompt_median", "output_median", "prompt_sigma", "output_sigma"):
+            value = getattr(self, name)
+            low = 0.0 if name.endswith("sigma") else math.nextafter(0.0, 1.0)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number {'>= 0' if low == 0 else '> 0'}, got {value!r}")
 
 
 def sample_lengths(spec: WorkloadSpec) -> tuple[list[int], list[int]]:
