@@ -136,8 +136,11 @@ def check_table_shapes(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     batch: int,
+    batch_of: str = "query",
 ) -> None:
-    """Dtypes, ranks and batch sizes of the block tables and sequence lengths (no host read); raises ValueError."""
+    """Dtypes, ranks and batch sizes of the block tables and sequence lengths (no host read); raises ValueError.
+    ``batch_of``: what gave ``batch`` (decode: the query's rows; prefill, whose query is packed tokens:
+    ``"seq_lens"``)."""
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError(
             f"block_tables must be a 2-D int32 tensor [batch, max_blocks]; got {block_tables.dtype} "
@@ -150,7 +153,8 @@ def check_table_shapes(
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
         raise ValueError(
             f"batch sizes disagree: query has {batch} sequences, block_tables {block_tables.shape[0]}, "
-            f"seq_lens {seq_lens.shape[0]}"
+            f"seq_lens {seq_lens.shape[0]}" if batch_of == "query" else
+            f"block_tables has {block_tables.shape[0]} rows for the {batch} sequences of {batch_of} (one row each)"
         )
 
 
@@ -161,13 +165,14 @@ def check_block_tables(
     num_blocks: int,
     block_size: int,
     min_len: int = 1,
+    batch_of: str = "query",
 ) -> int:
     """Check the block tables against the sequence lengths; return the longest sequence length.
 
     Reads ``seq_lens`` and the used part of ``block_tables`` back to the host (one synchronisation), so the
     fast paths can skip it with ``validate=False`` once the inputs are known to be good.
     """
-    check_table_shapes(block_tables, seq_lens, batch)
+    check_table_shapes(block_tables, seq_lens, batch, batch_of)
     lens = seq_lens.cpu().long()
     if batch == 0:
         return 0

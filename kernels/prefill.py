@@ -176,7 +176,7 @@ def paged_prefill_attention(
     # Shapes and dtypes need no host read: checked with validate=False too (as paged_attention_decode does), so
     # a 1-D or too-short block table is refused instead of read past its end.
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    check_table_shapes(block_tables, seq_lens, batch)
+    check_table_shapes(block_tables, seq_lens, batch, "seq_lens")
     if max_query_len is not None:
         # A packed batch of T tokens in B sequences has its longest query in cdiv(T, B)..T (0 when T == 0): a
         # smaller value would leave rows of ``out`` unwritten. vLLM 0.26's ``unified_attention`` trusts its
@@ -200,7 +200,8 @@ def paged_prefill_attention(
             )
         max_query_len = int(q_lens.max()) if batch else 0
         if validate:
-            check_block_tables(block_tables, seq_lens, batch, num_blocks, block_size, min_len=0)
+            check_block_tables(block_tables, seq_lens, batch, num_blocks, block_size, min_len=0,
+                               batch_of="seq_lens")
             lens = seq_lens.cpu().long()
             if bool((q_lens > lens).any()):
                 i = int((q_lens > lens).nonzero()[0, 0])

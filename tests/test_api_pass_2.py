@@ -223,3 +223,12 @@ def test_a_workload_that_cannot_be_drawn_is_refused_naming_its_field(change, mat
         make_requests(WorkloadSpec(**change))
     assert make_requests(WorkloadSpec(num_requests=0)) == []
     assert len(make_requests(num_requests=3, max_len=5)) == 3
+
+
+def test_prefill_names_seq_lens_when_the_table_has_too_few_rows():
+    """Prefill's query is packed tokens: the message used to say "query has 2 sequences"."""
+    kc, vc, bt, sl = make_paged_kv([5, 9], 2, 16, 4)
+    q, qsl = torch.randn(14, 4, 16), _i32(0, 5, 14)
+    for validate in (True, False):
+        with pytest.raises(ValueError, match=r"block_tables has 1 rows for the 2 sequences of seq_lens"):
+            K.paged_prefill_attention(q, kc, vc, bt[:1], sl, qsl, validate=validate, max_query_len=9)
