@@ -7,8 +7,10 @@ as one ``[BLOCK_G, D]`` tile, reads every KV block of the sequence *once*, and c
 scores with one matrix multiply ``tl.dot(q, kᵀ)``: ``[BLOCK_G, D] x [D, BLOCK_N]``. The softmax
 statistics become per-row vectors; the update is the same as version 1, row by row.
 
-``tl.dot`` runs on tensor cores and needs every dimension >= 16 on a GPU, so the query tile is padded
-to ``BLOCK_G = max(16, group)`` rows (padding rows read zeros and are never stored) and a block to
+``tl.dot`` runs on tensor cores; on a GPU Triton asks only its inner dimension to be at least 16 for 16-bit
+inputs (``min_dot_size`` in ``triton/backends/nvidia/compiler.py``) and pads a small M or N itself. The
+kernel pads on purpose all the same, to shapes it controls: the query tile to ``BLOCK_G = max(16,
+next_pow2(group))`` rows (padding rows read zeros and are never stored) and a block to
 ``BLOCK_N = max(16, block_size)`` slots (masked). Decode is memory-bound: the wasted multiply-adds on
 padding cost nothing measurable; the KV bytes saved are what matter.
 
