@@ -433,8 +433,7 @@ class LLM:
                     raise ValueError("text prompts need a tokenizer; this model has none: pass token ids")
                 tokens = list(self.tokenizer(p)["input_ids"])
                 texts.append(p)
-            elif _is_token_list(p) or isinstance(p, np.ndarray) or (
-                    isinstance(p, Sequence) and not isinstance(p, (bytes, bytearray)) and len(p) == 0):
+            elif _is_token_list(p) or isinstance(p, np.ndarray) or (isinstance(p, (list, tuple)) and not p):
                 tokens = _token_ids(i, p)  # an empty list too: refused below as empty, not as "not a list"
                 texts.append(None)
             else:
