@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.utils import check_int
+
 from ._common import check_runnable, contiguous_index, contiguous_rows
 
 
@@ -79,8 +81,7 @@ def compute_slot_mappings(
             raise ValueError(f"{name} must be a 1-D int32 or int64 tensor, got {t.dtype} {tuple(t.shape)}")
     if idx_mapping.shape[0] + 1 != query_start_loc.shape[0]:
         raise ValueError(f"{idx_mapping.shape[0]} requests but {query_start_loc.shape[0]} query_start_loc entries")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    block_size = check_int(block_size, "block_size", 1)  # a Python int: Triton's constexpr
     num_tokens, num_reqs = positions.shape[0], idx_mapping.shape[0]
     if out is not None and (out.dtype != torch.int64 or out.dim() != 1 or out.shape[0] < num_tokens
                             or out.device != device or (out.shape[0] > 1 and out.stride(0) != 1)):
