@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import math
+import numbers
 import os
 import platform
 import re
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.benchmarks.provenance import cpu_model, git_commit
+from pagedkv.utils.validation import check_int
 
 #: ShareGPT's lengths as the PagedAttention paper reports them (table 1 / figure 11): mean input 161.31 and
 #: mean output 337.99 tokens. The lab draws lognormals with these means and ``SIGMA`` spread, then scales them
@@ -63,7 +65,14 @@ class SampleRequest:
 def sharegpt_like_requests(n: int, max_model_len: int, vocab_size: int, seed: int = 0,
                            scale: float | None = None) -> list[SampleRequest]:
     """``n`` requests with ShareGPT-shaped input/output lengths, scaled by ``scale`` (default: so that the mean
-    total is a quarter of ``max_model_len``), each clipped to fit ``max_model_len``; random token ids."""
+    total is a quarter of ``max_model_len``), each clipped to fit ``max_model_len``; random token ids in
+    ``1..vocab_size - 1``. Bad figures are refused (``ValueError``) before anything is drawn."""
+    n = check_int(n, "n", 0)
+    max_model_len = check_int(max_model_len, "max_model_len", 2, why="a prompt token and an output token")
+    vocab_size = check_int(vocab_size, "vocab_size", 2, why="token ids are drawn from 1..vocab_size - 1")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be a finite number > 0 (or None), got {scale!r}")
     rng = np.random.default_rng(seed)
     if scale is None:
         scale = max_model_len / 4 / (SHAREGPT_MEAN_INPUT + SHAREGPT_MEAN_OUTPUT)
@@ -76,7 +85,13 @@ def sharegpt_like_requests(n: int, max_model_len: int, vocab_size: int, seed: in
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival offsets in seconds: exponential gaps of mean ``1 / rate``; all 0 for ``rate = inf`` (a burst).
-    Mirrors ``get_request`` (``vllm/benchmarks/serve.py``, burstiness 1)."""
+    Mirrors ``get_request`` (``vllm/benchmarks/serve.py``, burstiness 1). ``n = 0``: no arrivals; a ``rate`` that
+    is not a number above 0 is refused (``ValueError``)."""
+    n = check_int(n, "n", 0)
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not rate > 0:
+        raise ValueError(f"rate must be a number of requests per second > 0 (inf: all at once), got {rate!r}")
+    if n == 0:
+        return []
     if math.isinf(rate):
         return [0.0] * n
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, n)
@@ -158,16 +173,23 @@ async def send_request(client: Any, url: str, model: str, req: SampleRequest, t0
     return res
 
 
-_METRIC_RE = re.compile(r"^(vllm:[a-z_]+)\{[^}]*\}\s+([0-9.eE+-]+|NaN)$")
+#: one sample line of Prometheus' text format: ``name[{labels}] value [timestamp]``; names may hold digits
+#: (``vllm:e2e_request_latency_seconds``), values may be ``NaN``, ``+Inf``, ``-Inf``, labels are optional
+_METRIC_RE = re.compile(r"^(vllm:[a-zA-Z0-9_:]+)(?:\{[^}]*\})?\s+(\S+)(?:\s+-?[0-9]+)?\s*$")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The unlabelled-by-reason ``vllm:*`` samples of a Prometheus text page (histogram buckets skipped)."""
+    """The ``vllm:*`` samples of a Prometheus text page, summed over their labels (e.g. over ``finished_reason``),
+    histogram buckets skipped (their ``_sum`` and ``_count`` kept)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _METRIC_RE.match(line)
         if m and not m.group(1).endswith("_bucket"):
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+            try:
+                value = float(m.group(2))  # "NaN", "+Inf" and "-Inf" too
+            except ValueError:
+                continue
+            out[m.group(1)] = out.get(m.group(1), 0.0) + value
     return out
 
 

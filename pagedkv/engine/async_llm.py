@@ -146,6 +146,7 @@ class AsyncLLM:
         self._num_preemptions = 0
         self.dead_error: BaseException | None = None
         self.num_steps = 0
+        self._shut_down = False
 
     # ------------------------------------------------------------------------------------------------
     # Life cycle
@@ -158,7 +159,9 @@ class AsyncLLM:
             self._task = asyncio.create_task(self._run_engine_loop(), name="pagedkv-engine-loop")
 
     async def shutdown(self) -> None:
-        """Stop the loop; every request still in flight is aborted and its client told so."""
+        """Stop the loop; every request still in flight is aborted and its client told so. Afterwards
+        ``generate`` raises :class:`EngineDeadError` (nothing is queued)."""
+        self._shut_down = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -232,6 +235,8 @@ class AsyncLLM:
         request is it plus 8 random characters, as in vLLM. Mirrors ``AsyncLLM.generate``."""
         if self.errored:
             raise EngineDeadError(f"the engine loop failed: {self.dead_error}")
+        if self._shut_down:  # no loop will ever take the request: refuse it rather than wait forever
+            raise EngineDeadError("the engine has been shut down; create a new AsyncLLM")
         try:
             sampling_params = sampling_params.verified()  # the one check, SamplingParams._verify_args
         except ValueError as exc:
@@ -252,6 +257,8 @@ class AsyncLLM:
         child_ids = [base if n == 1 else f"{base}-{j}" for j in range(n)]
         if any(rid in self._states for rid in child_ids):
             raise InvalidRequestError(f"request id {base!r} is already in use", "request_id")
+        # the loop starts on first use, before anything is queued (AsyncLLM.generate's _run_output_handler())
+        await self.start()
         for j, rid in enumerate(child_ids):
             params = sampling_params.for_child(j) if n > 1 else sampling_params
             self._states[rid] = RequestState(rid, j, list(prompt_token_ids), params, list(stop),
@@ -259,7 +266,7 @@ class AsyncLLM:
             self._queues[rid] = q
             self._pending.append(("add", EngineCoreRequest(rid, list(prompt_token_ids), params, max_tokens,
                                                            cache_salt, priority)))
-        assert self._wake is not None, "call await start() first"
+        assert self._wake is not None
         self._wake.set()
         remaining = set(child_ids)
         try:
@@ -274,9 +281,12 @@ class AsyncLLM:
             if remaining:
                 self.abort([rid for rid in child_ids if rid in remaining])
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests: their clients get nothing more, and the engine frees their blocks before its next
-        step. Unknown or finished ids are ignored. Mirrors ``AsyncLLM.abort``."""
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests (one id, or several): their clients get nothing more, and the engine frees their blocks
+        before its next step. Unknown or finished ids are ignored. Mirrors ``AsyncLLM.abort``, which takes
+        ``str | Iterable[str]`` (a single id is not read as its characters)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
         ids = [rid for rid in request_ids if self._states.pop(rid, None) is not None]
         for rid in ids:
             self._queues.pop(rid, None)

@@ -220,7 +220,24 @@ class LLM:
         # also under tensor parallelism, where a sliding layer's window is only a mask and every block is kept)
         self.kv_cache_groups = self._kv_cache_groups() if tensor_parallel_size == 1 else None
         self.kv_cache_config = None
+        per_rank = tensor_parallel_size > 1 and isinstance(kv_cache_memory_bytes, (list, tuple))  # the lab's extension
+        if kv_cache_memory_bytes is not None and not is_int(kv_cache_memory_bytes) and not per_rank:
+            raise ValueError(f"kv_cache_memory_bytes must be an int number of bytes (or None), "
+                             f"got {kv_cache_memory_bytes!r}")
         if num_gpu_blocks is None and is_int(kv_cache_memory_bytes) and tensor_parallel_size == 1:
+            # vLLM's kv_cache_memory_bytes is the budget get_num_blocks divides; check_enough_kv_cache_memory
+            # (vllm/v1/core/kv_cache_utils.py) refuses one that cannot hold a single max_model_len request
+            if kv_cache_memory_bytes <= 0:
+                raise ValueError(f"No available memory for the cache blocks: kv_cache_memory_bytes is "
+                                 f"{kv_cache_memory_bytes}; give a positive number of bytes")
+            needed = cdiv(max_model_len, block_size) * self._block_bytes()
+            if self.kv_cache_groups is None and kv_cache_memory_bytes < needed:
+                fits = kv_cache_memory_bytes // self._block_bytes() * block_size
+                raise ValueError(
+                    f"To serve at least one request with the model's max seq len ({max_model_len}), {needed:,} "
+                    f"bytes of KV cache are needed, more than kv_cache_memory_bytes ({kv_cache_memory_bytes:,}). "
+                    + (f"Based on it, the estimated maximum model length is {fits}. " if fits > 0 else "")
+                    + "Raise kv_cache_memory_bytes or lower max_model_len.")
             num_gpu_blocks = max(2, kv_cache_memory_bytes // self._block_bytes())  # vLLM's kv_cache_memory_bytes
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")

@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -682,10 +683,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: a free one, read back with ``getsockname``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.setblocking(False)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()  # a failed bind leaves no socket open
+        raise
     return sock
 
 
@@ -693,13 +698,28 @@ def run_server(args: argparse.Namespace) -> int:
     """Build the engine, bind the port, serve until interrupted. Mirrors ``run_server``."""
     import uvicorn
 
+    if args.port_file is not None:  # written once the server answers: a bad path must not stop it then
+        target = Path(args.port_file)
+        if target.is_dir() or not target.resolve().parent.is_dir():
+            print(f"pagedkv serve: --port-file {args.port_file}: give a file in an existing folder", file=sys.stderr)
+            return 2
+    # the port first, then the engine, as vLLM's setup_server (vllm/entrypoints/openai/api_server.py) binds it
+    # "before the engine is set up": a port in use or out of range is refused before a model is loaded
+    try:
+        sock = bind_socket(args.host, args.port)
+    except (OSError, OverflowError, ValueError) as exc:
+        print(f"pagedkv serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
     try:
         engine, names = build_engine(args)
     except (ValueError, OSError, TypeError) as exc:
+        sock.close()
         print(f"pagedkv serve: {exc}", file=sys.stderr)
         return 2
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(engine, names, args.model, args.enable_prompt_tokens_details)
-    sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
