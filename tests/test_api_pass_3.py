@@ -194,3 +194,29 @@ def test_async_llm_abort_takes_one_id_as_a_string(small_llm):
             await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: _pc().time_lookup("sha256", block_size=0), "block_size must be an int >= 1"),  # was ZeroDivisionError
+    (lambda: _pc().time_lookup("sha256", prompt_tokens=16.0), "prompt_tokens must be an int >= 17"),
+    # was a bare KeyError
+    (lambda: _pc().time_hashing("md5"), r"unknown hash function 'md5'; use one of \['builtin', 'sha256'\]"),
+    (lambda: _pc().time_hashing("sha256", block_size=0), "block_size must be an int >= 1"),
+    (lambda: _bp().measure_series("alloc", "x", [8], round_time=float("nan")), "round_time must be a finite"),
+    (lambda: _bp().measure_series("alloc", "x", [8], round_time="a"), "round_time must be a finite"),
+])  # fmt: skip
+def test_the_cache_benchmarks_name_a_bad_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _pc():
+    from pagedkv.benchmarks import prefix_cache
+
+    return prefix_cache
+
+
+def _bp():
+    from pagedkv.benchmarks import block_pool
+
+    return block_pool

@@ -37,8 +37,8 @@ def test_main_prints_both_tables(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"prompt_tokens": 16}, "prompt_tokens must be > block_size"),
-        ({"repeats": 0}, "repeats must be >= 1"),
+        ({"prompt_tokens": 16}, r"prompt_tokens must be an int >= 17 \(more than one block"),
+        ({"repeats": 0}, "repeats must be an int >= 1"),
     ],
 )
 def test_bad_sizes_raise(kwargs: dict[str, int], match: str) -> None:

@@ -294,8 +294,9 @@ def measure_series(
     one round of each size rather than every round of one size, so the best rounds stay comparable and
     the flatness ratio measures the container, not the machine.
     """
-    if repeats < 1 or round_time <= 0:
-        raise ValueError(f"repeats must be >= 1 and round_time > 0, got {repeats} and {round_time}")
+    repeats = check_int(repeats, "repeats", 1)
+    if isinstance(round_time, bool) or not isinstance(round_time, (int, float)) or not 0 < round_time < float("inf"):
+        raise ValueError(f"round_time must be a finite number of seconds > 0, got {round_time!r}")
     try:
         builder = BUILDERS[(op, impl)]
     except KeyError:

@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedkv.kv_cache_manager import KVCacheManager
-from pagedkv.kv_cache_utils import HASH_FUNCTIONS, hash_request_tokens
+from pagedkv.kv_cache_utils import HASH_FUNCTIONS, get_hash_fn, hash_request_tokens
 from pagedkv.request import Request
+from pagedkv.utils import check_int
 
 HASH_FN_NAMES: tuple[str, ...] = ("builtin", "sha256")
 
@@ -99,10 +100,9 @@ def time_lookup(
     call uses a fresh ``Request`` with the same tokens (built before the clock starts), so it hashes every
     full block and then walks the cache; repeat calls reuse one request whose hashes are already stored.
     """
-    if prompt_tokens < block_size + 1:
-        raise ValueError(f"prompt_tokens must be > block_size for a hit, got {prompt_tokens} and {block_size}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    block_size = check_int(block_size, "block_size", 1)
+    prompt_tokens = check_int(prompt_tokens, "prompt_tokens", block_size + 1, why="more than one block, for a hit")
+    repeats = check_int(repeats, "repeats", 1)
     tokens = _random_tokens(prompt_tokens, seed)
     num_blocks = prompt_tokens // block_size + 2  # the prompt's blocks, its partial last one, the null block
     manager = KVCacheManager(num_blocks, block_size, enable_caching=True, hash_fn=hash_fn)
@@ -141,9 +141,10 @@ def time_hashing(
     hash_fn: str, block_size: int = 16, num_blocks: int = 256, repeats: int = 41, seed: int = 1
 ) -> HashTiming:
     """Time hashing a chain of ``num_blocks`` full blocks (``hash_block_tokens`` each, parent chained)."""
-    if num_blocks < 1 or repeats < 1:
-        raise ValueError(f"num_blocks and repeats must be >= 1, got {num_blocks} and {repeats}")
-    fn = HASH_FUNCTIONS[hash_fn]
+    block_size = check_int(block_size, "block_size", 1)
+    num_blocks = check_int(num_blocks, "num_blocks", 1)
+    repeats = check_int(repeats, "repeats", 1)
+    fn = get_hash_fn(hash_fn)  # ValueError naming the choices
     tokens = _random_tokens(num_blocks * block_size, seed)
     gc_was_enabled = gc.isenabled()
     gc.disable()
