@@ -220,3 +220,16 @@ def _bp():
     from pagedkv.benchmarks import block_pool
 
     return block_pool
+
+
+def test_a_figure_left_out_is_fitted_to_the_other_as_vllm_does(model):
+    """vLLM 0.26's ``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``: a defaulted max_num_seqs is at
+    most the token budget, a defaulted budget at most max_num_seqs whole sequences; both given with a budget below
+    the sequences is ``SchedulerConfig``'s error. The lab kept 256 sequences beside a budget of 8."""
+    small = LLM(model, num_gpu_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=8)
+    assert (small.max_num_batched_tokens, small.max_num_seqs) == (8, 8)
+    few = LLM(model, num_gpu_blocks=16, block_size=4, max_model_len=64, max_num_seqs=2)
+    assert (few.max_num_batched_tokens, few.max_num_seqs) == (128, 2)  # min(2 x 64, 4,096)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be greater than or equal to "
+                                         r"max_num_seqs \(16\)"):
+        LLM(model, num_gpu_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=16)

@@ -136,7 +136,9 @@ class LLM:
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
     swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
-    ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`).
+    ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`), one left out
+    fitted to the other as vLLM fits it (the budget at most ``max_num_seqs`` whole sequences, the sequences at
+    most the budget).
     ``async_scheduling`` (default ``True``, vLLM 0.26's for these models): an ``AsyncScheduler`` and
     ``EngineCore.step_with_batch_queue``; ``False``: the plain ``Scheduler`` and ``EngineCore.step``.
     ``model_impl`` (vLLM's ``--model-impl``): ``"auto"`` runs the lab's own decoder for the Llama family on a
@@ -174,6 +176,8 @@ class LLM:
         tensor_parallel_size = check_int(tensor_parallel_size, "tensor_parallel_size", 1)  # True is not 1 here
         if max_num_seqs is not None:
             max_num_seqs = check_int(max_num_seqs, "max_num_seqs", 1)
+        if max_num_batched_tokens is not None:
+            max_num_batched_tokens = check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if attn_backend is not None and attn_backend not in BACKENDS:
@@ -207,11 +211,17 @@ class LLM:
             max_model_len = limit
         max_model_len = check_int(max_model_len, "max_model_len", 2, limit, why="for this model")
         self.max_model_len = max_model_len
+        # a figure left out is fitted to the other, as vLLM 0.26's
+        # EngineArgs._set_default_max_num_seqs_and_batched_tokens_args does (vllm/engine/arg_utils.py): the token
+        # budget at most max_num_seqs whole sequences, the sequences at most one token each of the budget
         default_tokens, default_seqs = batch_defaults(self.device)
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_tokens
+            max_num_batched_tokens = min((max_num_seqs or default_seqs) * max_model_len, default_tokens)
         if max_num_seqs is None:
-            max_num_seqs = default_seqs
+            max_num_seqs = min(default_seqs, max_num_batched_tokens)
+        if max_num_batched_tokens < max_num_seqs:  # SchedulerConfig.verify_max_model_len (vllm/config/scheduler.py)
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than or equal to "
+                             f"max_num_seqs ({max_num_seqs}).")
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
