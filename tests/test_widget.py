@@ -322,12 +322,40 @@ def test_svg_scales_to_hundreds_of_blocks() -> None:
     assert "more" not in svg or "…" in svg  # a long free queue is elided
 
 
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda st: st["blocks"][1].pop("ref_cnt"), "each block must be a dict with int 'block_id' and 'ref_cnt'"),
+    (lambda st: st.update(block_tables=[[1, 2]]), r"state\['block_tables'\] must be a dict"),
+    (lambda st: st.update(free_queue=["1", "2"]), r"state\['free_queue'\] must be a list of block ids"),
+    (lambda st: st.update(num_blocks="8"), r"state\['num_blocks'\] must be an int"),
+    (lambda st: st["block_tables"].update(A=[1, 99]), "the block table of 'A' must be a list of block ids in 0..7"),
+    (lambda st: st.update(free_queue=[1, 99]), r"free_queue'\] must be a list of block ids in 0\.\.7"),
+])  # fmt: skip
+def test_a_malformed_snapshot_is_named_not_drawn(change, match) -> None:
+    """A block without ref_cnt was a KeyError while drawing, block_tables as a list an AttributeError, a block id
+    past the pool drawn silently, num_blocks "8" read "state has 8 blocks but num_blocks is 8"."""
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    m.allocate_slots(Request("A", [1] * 6), 6)
+    frame = {"event": None, "state": json.loads(json.dumps(m.snapshot()))}
+    change(frame["state"])
+    with pytest.raises(ValueError, match=match):
+        frame_to_svg([frame])
+    with pytest.raises(ValueError, match=match):
+        BlockTableWidget([frame])
+
+
+def test_a_bool_is_no_frame_index(rec: TraceRecorder) -> None:
+    with pytest.raises(ValueError, match="frame index must be an int"):
+        frame_to_svg(rec.frames, True)
+    with pytest.raises(ValueError, match="frame index must be an int"):
+        BlockTableWidget(rec.frames).to_svg(1.5)
+
+
 def test_bad_frames_raise_clear_errors(rec: TraceRecorder) -> None:
     with pytest.raises(ValueError, match="empty"):
         frame_to_svg([])
     with pytest.raises(ValueError, match="state lacks"):
         frame_to_svg([{"event": None, "state": {"num_blocks": 2}}])
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"frame index must be an int in -\d+\.\.\d+"):
         frame_to_svg(rec.frames, len(rec.frames))
     with pytest.raises(ValueError, match="num_blocks"):
         bad = json.loads(json.dumps(rec.frames[0]))
@@ -359,7 +387,9 @@ def test_widget_state(rec: TraceRecorder) -> None:
     ("kwargs", "message"),
     [
         ({"frame": 99}, "frame must be an int"),
-        ({"fps": 0}, "fps must be > 0"),
+        ({"fps": 0}, "fps must be a finite number of frames per second > 0"),
+        ({"fps": "2"}, "fps must be a finite number"),  # was a raw TypeError
+        ({"fps": float("inf")}, "fps must be a finite number"),
         ({"frame": 1.5}, "frame must be"),
         ({"frame": True}, "frame must be an int"),
         ({"static_frame": False}, "static_frame must be an int"),

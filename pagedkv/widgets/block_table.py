@@ -85,8 +85,8 @@ class BlockTableWidget(anywidget.AnyWidget):
         if static_frame != "keyframes":
             check_int(static_frame, "static_frame", -n, n - 1, why=f'{n} frames; or "keyframes"')
         check_int(static_max_frames, "static_max_frames", 1)
-        if not fps > 0:
-            raise ValueError(f"fps must be > 0, got {fps!r}")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < float("inf"):
+            raise ValueError(f"fps must be a finite number of frames per second > 0, got {fps!r}")
         ids = request_order(raw)
         self.views = views  # the decoded views, for the static pictures
         self._static = static
@@ -130,10 +130,8 @@ class BlockTableWidget(anywidget.AnyWidget):
     # --- the static picture ---------------------------------------------------------------------------
     def to_svg(self, index: int | None = None) -> str:
         """The SVG of frame ``index`` (default: the current frame), drawn as the widget draws it."""
-        k = self.frame if index is None else index
         n = len(self.frames)
-        if not -n <= k < n:
-            raise ValueError(f"frame index {k} is out of range for {n} frames")
+        k = self.frame if index is None else check_int(index, "frame index", -n, n - 1, why=f"{n} frames")
         return render_view_svg(
             self.views[k % n], self.colors, title=self.title, total=n, legend_roles=self.legend_roles,
             request_ids=self.request_ids,

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 # Re-exported: the wire format lived here before it had a module of its own.
+from pagedkv.utils import check_int, is_int
 from pagedkv.widgets.view_codec import decode_views as decode_views
 from pagedkv.widgets.view_codec import encode_views as encode_views
 
@@ -91,13 +92,54 @@ def validate_frames(frames: Sequence[Mapping[str, Any]]) -> None:
         missing = [key for key in REQUIRED_STATE_KEYS if not isinstance(state, Mapping) or key not in state]
         if missing:
             raise ValueError(f"frame {k}: state lacks {missing} (expected KVCacheManager.snapshot()'s shape)")
-        if len(state["blocks"]) != state["num_blocks"]:
-            raise ValueError(
-                f"frame {k}: state has {len(state['blocks'])} blocks but num_blocks is {state['num_blocks']}"
-            )
+        _check_state(state, k)
         event = frame.get("event")
         if event is not None and not isinstance(event, Mapping):
             raise ValueError(f"frame {k}: event must be a dict (TraceEvent.to_dict()) or None, got {event!r:.80}")
+
+
+def _check_state(state: Mapping[str, Any], k: int) -> None:
+    """Frame ``k``'s snapshot has the types ``KVCacheManager.snapshot()`` gives, and every block id it names lies in
+    the pool: a malformed one fails here, naming the frame and the field, not later as a KeyError while drawing
+    (or drawn with a block the pool does not have)."""
+    num_blocks = check_int(state["num_blocks"], f"frame {k}: state['num_blocks']", 1)
+    blocks = state["blocks"]
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) or len(blocks) != num_blocks:
+        got = len(blocks) if isinstance(blocks, Sequence) else type(blocks).__name__
+        raise ValueError(f"frame {k}: state has {got} blocks but num_blocks is {num_blocks}")
+    for b in blocks:  # a snapshot's blocks are dicts of plain ints: checked at C speed first (pools of 20,000)
+        try:
+            fields = (b["block_id"], b["ref_cnt"])
+        except (TypeError, KeyError, IndexError):
+            fields = None
+        if fields is None or not (type(fields[0]) is int is type(fields[1]) or all(map(is_int, fields))):
+            raise ValueError(f"frame {k}: each block must be a dict with int 'block_id' and 'ref_cnt' "
+                             f"(KVCacheManager.snapshot()), got {b!r:.80}")
+
+    def ids(where: str, value: Any) -> None:
+        ok = not isinstance(value, (str, bytes)) and isinstance(value, Sequence)
+        if ok and value and not (set(map(type, value)) <= {int} and 0 <= min(value) and max(value) < num_blocks):
+            ok = all(is_int(x) and 0 <= x < num_blocks for x in value)
+        if not ok:
+            raise ValueError(f"frame {k}: {where} must be a list of block ids in 0..{num_blocks - 1}, "
+                             f"got {value!r:.80}")
+
+    ids("state['free_queue']", state["free_queue"])
+    tables = state["block_tables"]
+    if not isinstance(tables, Mapping):
+        raise ValueError(f"frame {k}: state['block_tables'] must be a dict of request id -> block ids, "
+                         f"got {type(tables).__name__}")
+    for rid, table in tables.items():
+        ids(f"the block table of {rid!r}", table)
+    per_group = state.get("group_block_tables")
+    if per_group is not None:
+        if not isinstance(per_group, Mapping):
+            raise ValueError(f"frame {k}: state['group_block_tables'] must be a dict, got {type(per_group).__name__}")
+        for rid, group_tables in per_group.items():
+            if isinstance(group_tables, (str, bytes)) or not isinstance(group_tables, Sequence):
+                raise ValueError(f"frame {k}: the group tables of {rid!r} must be a list, got {group_tables!r:.80}")
+            for g, table in enumerate(group_tables):
+                ids(f"group {g}'s block table of {rid!r}", table)
 
 
 def group_label(group: Mapping[str, Any]) -> str:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
+from pagedkv.utils import check_int
 from pagedkv.widgets.frames import (
     KIND_ROLE,
     ROLES,
@@ -415,8 +416,7 @@ def frame_to_svg(
         return render_view_svg(view, request_colours(ids), title=title, request_ids=ids,
                                legend_roles=roles_used([view]))  # fmt: skip
     validate_frames(frames)
-    if not -len(frames) <= index < len(frames):
-        raise ValueError(f"frame index {index} is out of range for {len(frames)} frames")
+    check_int(index, "frame index", -len(frames), len(frames) - 1, why=f"{len(frames)} frames")
     k = index % len(frames)
     ids = request_order(frames)
     view = view_frame(plain(frames[k]), k)
