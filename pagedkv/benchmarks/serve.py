@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import math
-import numbers
 import os
 import platform
 import re
@@ -48,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.benchmarks.provenance import cpu_model, git_commit
-from pagedkv.utils.validation import check_int
+from pagedkv.utils.validation import check_int, is_real
 
 #: ShareGPT's lengths as the PagedAttention paper reports them (table 1 / figure 11): mean input 161.31 and
 #: mean output 337.99 tokens. The lab draws lognormals with these means and ``SIGMA`` spread, then scales them
@@ -70,8 +69,7 @@ def sharegpt_like_requests(n: int, max_model_len: int, vocab_size: int, seed: in
     n = check_int(n, "n", 0)
     max_model_len = check_int(max_model_len, "max_model_len", 2, why="a prompt token and an output token")
     vocab_size = check_int(vocab_size, "vocab_size", 2, why="token ids are drawn from 1..vocab_size - 1")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not 0 < scale < math.inf):
+    if scale is not None and (not is_real(scale) or not 0 < scale < math.inf):
         raise ValueError(f"scale must be a finite number > 0 (or None), got {scale!r}")
     rng = np.random.default_rng(seed)
     if scale is None:
@@ -88,7 +86,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     Mirrors ``get_request`` (``vllm/benchmarks/serve.py``, burstiness 1). ``n = 0``: no arrivals; a ``rate`` that
     is not a number above 0 is refused (``ValueError``)."""
     n = check_int(n, "n", 0)
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not rate > 0:
+    if not is_real(rate) or not rate > 0:
         raise ValueError(f"rate must be a number of requests per second > 0 (inf: all at once), got {rate!r}")
     if n == 0:
         return []

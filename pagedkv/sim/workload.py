@@ -11,13 +11,12 @@ the real trace, not real data: nothing is downloaded.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from pagedkv.request import Request
-from pagedkv.utils import check_int
+from pagedkv.utils import check_int, is_real
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class WorkloadSpec:
         for name in ("prompt_median", "output_median", "prompt_sigma", "output_sigma"):
             value = getattr(self, name)
             low = 0.0 if name.endswith("sigma") else math.nextafter(0.0, 1.0)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value < math.inf:
+            if not is_real(value) or not low <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number {'>= 0' if low == 0 else '> 0'}, got {value!r}")
 
 

@@ -65,6 +65,7 @@ from pagedkv.sizing.hybrid import HYBRID_SHAPES, HybridSizing, hybrid_sizing
 from pagedkv.sizing.kv_cache_utils import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     KV_CACHE_DTYPES,
+    NoKVCacheMemoryError,
     check_enough_kv_cache_memory,
     kv_page_bytes,
     max_concurrency,
@@ -73,7 +74,7 @@ from pagedkv.sizing.kv_cache_utils import (
     resolve_kv_cache_dtype,
 )
 from pagedkv.sizing.mem_utils import GiB, MemoryProfilingResult, MemorySnapshot, format_gib, memory_profiling
-from pagedkv.sizing.model import ModelShape, estimate_peak_activation, model_shape, num_parameters
+from pagedkv.sizing.model import ModelShape, estimate_peak_activation, model_shape, num_parameters, weights_bytes
 from pagedkv.sizing.vllm_config import (
     DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES,
     cudagraph_memory_estimate_applied,
@@ -85,6 +86,7 @@ from pagedkv.sizing.vllm_config import (
 __all__ = [
     "CPU_TOTAL_MEMORY",
     "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "NoKVCacheMemoryError",
     "DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES",
     "GiB",
     "HYBRID_SHAPES",
@@ -109,6 +111,7 @@ __all__ = [
     "num_gpu_blocks",
     "num_experts",
     "num_parameters",
+    "weights_bytes",
     "profile",
     "request_memory",
     "resolve_kv_cache_dtype",

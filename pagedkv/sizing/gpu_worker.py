@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +24,7 @@ from pagedkv.sizing.kv_cache_utils import (
     resolve_kv_cache_dtype,
 )
 from pagedkv.sizing.mem_utils import GiB, MemorySnapshot, format_gib, memory_profiling
-from pagedkv.sizing.model import estimate_peak_activation, model_shape, num_parameters
+from pagedkv.sizing.model import estimate_peak_activation, model_shape, weights_bytes
 from pagedkv.sizing.vllm_config import use_v2_model_runner as _use_v2_model_runner
 from pagedkv.utils import check_int
 
@@ -175,10 +173,7 @@ def analytic_profile(
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, shape.dtype)
     utilization = _check_utilization(gpu_memory_utilization)
     if weights_memory is None:
-        bits = shape.dtype.itemsize * 8 if weight_bits is None else weight_bits
-        if isinstance(bits, bool) or not isinstance(bits, numbers.Real) or bits <= 0:
-            raise ValueError(f"weight_bits must be > 0, got {weight_bits!r}")
-        weights_memory = math.ceil(num_parameters(config) * bits / 8)
+        weights_memory = weights_bytes(config, weight_bits)
     if peak_activation_memory is None:
         peak_activation_memory = estimate_peak_activation(config, max_num_batched_tokens)
     if max_model_len is None:

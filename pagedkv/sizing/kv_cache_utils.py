@@ -19,11 +19,12 @@ import torch
 
 from pagedkv.sizing.mem_utils import format_gib
 from pagedkv.sizing.model import model_shape
-from pagedkv.utils import cdiv, check_int
+from pagedkv.utils import cdiv, check_int, is_real
 
 __all__ = [
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "KV_CACHE_DTYPES",
+    "NoKVCacheMemoryError",
     "check_enough_kv_cache_memory",
     "kv_page_bytes",
     "max_concurrency",
@@ -87,7 +88,7 @@ def kv_page_bytes(config: Any, block_size: int = 16, kv_cache_dtype: str | torch
 
 def _memory_figure(value: Any, name: str) -> int:
     """A byte count: an int >= 0, or a float holding a whole number (``80e9``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise ValueError(f"{name} must be a number of bytes, got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0 bytes, got {value!r}")
@@ -99,7 +100,7 @@ def _memory_figure(value: Any, name: str) -> int:
 
 
 def _check_utilization(utilization: Any) -> float:
-    if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real) or not 0 < utilization <= 1:
+    if not is_real(utilization) or not 0 < utilization <= 1:
         raise ValueError(
             f"gpu_memory_utilization must be in (0, 1] (vLLM's CacheConfig: gt=0, le=1), got {utilization!r}"
         )
@@ -113,6 +114,11 @@ def request_memory(total: int, utilization: float) -> int:
     if total == 0:
         raise ValueError("total memory must be > 0 bytes")
     return math.ceil(total * _check_utilization(utilization))
+
+
+class NoKVCacheMemoryError(ValueError):
+    """:func:`num_gpu_blocks`'s refusal when the figures are sound but nothing is left for the KV cache: a model
+    that does not fit (vLLM 0.26: "No available memory for the cache blocks"), not a bad argument."""
 
 
 def num_gpu_blocks(
@@ -135,8 +141,9 @@ def num_gpu_blocks(
     0.26, whose Model Runner V2 returns 0 from ``profile_cudagraph_memory``; the V1 runner's measured estimate
     for MoE and Mamba-hybrid models (:func:`pagedkv.sizing.cudagraph_memory_estimate_applied` decides).
     Pure: changes nothing. Raises ``ValueError`` for a utilization outside (0, 1], a negative figure, and when
-    nothing is left for the cache (vLLM's ``kv_cache_utils.py::_check_enough_kv_cache_memory`` refuses
-    ``available <= 0``), saying by how much the non-KV memory exceeds the budget and what to lower.
+    nothing is left for the cache (:class:`NoKVCacheMemoryError`; vLLM's
+    ``kv_cache_utils.py::_check_enough_kv_cache_memory`` refuses ``available <= 0``), saying by how much the
+    non-KV memory exceeds the budget and what to lower.
     """
     utilization = _check_utilization(utilization)
     requested = request_memory(total, utilization)
@@ -149,7 +156,7 @@ def num_gpu_blocks(
     non_kv = non_torch + peak_activation + weights
     available = requested - non_kv - cudagraph
     if available <= 0:
-        raise ValueError(
+        raise NoKVCacheMemoryError(
             f"no memory left for the KV cache: weights {format_gib(weights)} GiB + peak activations "
             f"{format_gib(peak_activation)} GiB + non-torch {format_gib(non_torch)} GiB + CUDA graphs "
             f"{format_gib(cudagraph)} GiB = {format_gib(non_kv + cudagraph)} GiB, which exceeds the requested "
@@ -177,7 +184,7 @@ def check_enough_kv_cache_memory(available: int, page_bytes: int, num_layers: in
     of ``max_model_len`` tokens must fit (``cdiv(max_model_len, block_size) * page_size`` per layer). As in
     ``_check_enough_kv_cache_memory``, ``available <= 0`` is its own error and the estimated maximum length is
     named only when it is above 0."""
-    if isinstance(available, bool) or not isinstance(available, numbers.Real) or math.isnan(available):
+    if not is_real(available) or math.isnan(available):
         raise ValueError(f"available must be a number of bytes, got {available!r}")
     page_bytes = check_int(page_bytes, "page_bytes", 1)
     num_layers = check_int(num_layers, "num_layers", 1)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -10,9 +11,9 @@ from typing import Any
 
 import torch
 
-from pagedkv.utils import check_int
+from pagedkv.utils import check_int, is_real
 
-__all__ = ["ModelShape", "estimate_peak_activation", "model_shape", "num_parameters"]
+__all__ = ["ModelShape", "estimate_peak_activation", "model_shape", "num_parameters", "weights_bytes"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,15 @@ def num_parameters(config: Any) -> int:
     embeddings = s.vocab_size * s.hidden_size
     lm_head = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
     return embeddings + s.num_layers * per_layer + s.hidden_size + lm_head
+
+
+def weights_bytes(config: Any, weight_bits: float | None = None) -> int:
+    """The weights' bytes, ``ceil(num_parameters * weight_bits / 8)``: ``weight_bits`` per parameter, by default the
+    model dtype's (16 for bf16; 4 for a 4-bit quantisation). ``ValueError`` unless it is a finite number > 0."""
+    bits = model_shape(config).dtype.itemsize * 8 if weight_bits is None else weight_bits
+    if not is_real(bits) or not 0 < bits < math.inf:
+        raise ValueError(f"weight_bits must be > 0, got {weight_bits!r}")
+    return math.ceil(num_parameters(config) * bits / 8)
 
 
 def estimate_peak_activation(

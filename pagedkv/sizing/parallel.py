@@ -23,8 +23,6 @@ Analytic, like lesson 5's :func:`~pagedkv.sizing.analytic_profile`: no GPU neede
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +37,10 @@ from pagedkv.sizing import (
     max_concurrency,
     model_shape,
     num_gpu_blocks,
-    num_parameters,
     resolve_kv_cache_dtype,
+    weights_bytes,
 )
-from pagedkv.sizing.kv_cache_utils import _check_utilization, _memory_figure, request_memory
+from pagedkv.sizing.kv_cache_utils import NoKVCacheMemoryError, _check_utilization, _memory_figure, request_memory
 from pagedkv.utils import check_int
 
 
@@ -176,20 +174,17 @@ def rank_sizing(
     if weights_memory is None:
         if mla:
             raise ValueError("pass weights_memory for an MLA model (num_parameters counts Llama-style layers only)")
-        bits = shard.dtype.itemsize * 8 if weight_bits is None else weight_bits
-        if isinstance(bits, bool) or not isinstance(bits, numbers.Real) or not 0 < bits < math.inf:
-            raise ValueError(f"weight_bits must be > 0, got {weight_bits!r}")  # as analytic_profile checks it
-        weights_memory = math.ceil(num_parameters(shard) * bits / 8)
+        weights_memory = weights_bytes(shard, weight_bits)
     if peak_activation_memory is None:
         if mla:
             raise ValueError("pass peak_activation_memory for an MLA model")
         peak_activation_memory = estimate_peak_activation(shard, max_num_batched_tokens)
-    requested = request_memory(total_memory, gpu_memory_utilization)
-    if requested - non_torch_memory - peak_activation_memory - weights_memory <= 0:
-        blocks = 0  # what num_gpu_blocks refuses (vLLM: "No available memory for the cache blocks")
-    else:
+    requested = request_memory(total_memory, gpu_memory_utilization)  # reported in the row
+    try:
         blocks = num_gpu_blocks(total_memory, gpu_memory_utilization, weights_memory, peak_activation_memory,
                                 non_torch_memory, 0, page, num_layers)
+    except NoKVCacheMemoryError:
+        blocks = 0  # the weights do not fit this split: a row of the table, not an error
     kv_heads = 1 if mla else shard.num_kv_heads
     replicas = tp_size if mla else max(1, tp_size // full.num_kv_heads)
     return RankSizing(tp_size, kv_heads, replicas, page, int(weights_memory), int(peak_activation_memory),

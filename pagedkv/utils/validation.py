@@ -20,6 +20,12 @@ def is_int(value: object) -> bool:
     return type(value).__module__ == "numpy" and kind in ("i", "u") and getattr(value, "ndim", None) == 0
 
 
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a real number a caller would pass (``int``, ``float``, numpy scalars: ``numbers.Real``),
+    never a ``bool``. The predicate; each caller states its own bounds (finite, > 0, ...) and its own message."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 def check_int(value: object, name: str, low: int | None = 0, high: int | None = None, *, why: str = "") -> int:
     """``value`` as a Python ``int`` when it is an integer in ``low..high`` (either bound ``None``: open), else
     ``ValueError("{name} must be an int >= {low}[ (why)], got {value!r}")``.
