@@ -51,6 +51,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _no_asyncio_loop_left_running(request: pytest.FixtureRequest) -> None:
+    """Fail at set-up, naming the cause, when an earlier test in this process left an asyncio loop marked as
+    running in this thread (as Playwright's sync API does while it is alive): the test's own ``asyncio.run``
+    would otherwise fail with "cannot be called from a running event loop", for a reason that is not its own."""
+    import asyncio
+
+    if asyncio._get_running_loop() is not None and "browser" not in request.fixturenames:
+        pytest.fail("an earlier test in this process left an asyncio loop marked as running in this thread "
+                    "(is a Playwright sync API, or another fixture that runs a loop, still alive?)")
+
+
 # ------------------------------------------------------------------------------------------ the order of the tests
 # `./lab test` runs pytest-xdist's worksteal scheduler: it cuts the collection into one contiguous chunk per worker
 # (chunk i gets len(left) // (workers left) items), each worker runs its chunk in order, and a worker that runs out

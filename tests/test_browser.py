@@ -184,8 +184,11 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
                 proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium: str) -> Iterator[object]:
+    """Chromium under Playwright's sync API, for this module's tests only: while the API is alive it marks an
+    asyncio loop as running in this thread (between its calls), so a later test's ``asyncio.run`` in the same
+    pytest-xdist worker would raise "cannot be called from a running event loop"."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="Python Playwright is not installed")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
