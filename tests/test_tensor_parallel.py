@@ -239,12 +239,14 @@ def test_pool_is_the_minimum_over_ranks():
     block = 2 * 8 * 1 * 16 * 4 * 2  # 2 (K, V) · 8 tokens · 1 KV head per rank · 16 · fp32 · 2 layers
     with LLM(model, tensor_parallel_size=2, block_size=8, kv_cache_memory_bytes=[100 * block, 60 * block + 5]) as llm:
         assert llm.executor.num_blocks_per_rank == [100, 60]
+        # vLLM's CPU defaults grow with the workers (EngineArgs.get_batch_defaults): 256 and 4,096 per rank
+        assert (llm.max_num_seqs, llm.max_num_batched_tokens) == (512, 8192)
         assert llm.num_gpu_blocks == 60
         assert [s[0] for s in llm.executor.kv_cache_shapes] == [60, 60]
         assert llm.executor.collective_rpc("kv_cache_shape") == [(60, 8, 1, 16)] * 2
         norm = "model.norm.weight"
         a, b = llm.executor.collective_rpc("check_replicated", (norm,))
-        assert a == b == float(model.get_parameter(norm).double().sum())
+        assert a == b == float(model.get_parameter(norm).detach().double().sum())
 
 
 def test_tp_refuses_a_model_that_does_not_split():

@@ -81,17 +81,45 @@ def check_architecture(config: Any) -> None:
                          "None (Gemma 3's default)")
 
 
-def batch_defaults(device: torch.device) -> tuple[int, int]:
-    """``(max_num_batched_tokens, max_num_seqs)`` when not given: vLLM 0.26's defaults for the ``LLM`` class
-    (``vllm/engine/arg_utils.py``: ``EngineArgs.get_batch_defaults``, applied by
-    ``_set_default_max_num_seqs_and_batched_tokens_args``): 16,384 and 1,024 on a GPU of at least 70 GiB that is
-    not an A100 (H100, H200), 8,192 and 256 on other GPUs, 4,096 and 256 on a CPU (one worker)."""
+#: vLLM 0.26's ``UsageContext`` values that choose the batch defaults (``vllm/usage/usage_lib.py``): the ``LLM``
+#: class, and the OpenAI-compatible server (``pagedkv serve``, as ``vllm serve``).
+USAGE_CONTEXTS = ("LLM_CLASS", "OPENAI_API_SERVER")
+
+
+def batch_defaults(device: torch.device, world_size: int = 1,
+                   usage_context: str = "LLM_CLASS") -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` when neither is given: vLLM 0.26's
+    ``EngineArgs.get_batch_defaults`` (``vllm/engine/arg_utils.py``). The ``LLM`` class: 16,384 and 1,024 on a GPU
+    of at least 70 GiB that is not an A100 (H100, H200), 8,192 and 256 on other GPUs, 4,096 and 256 per worker
+    on a CPU. The server: 8,192 and 1,024, then 2,048 and 256, then 2,048 and 128 per worker on a CPU.
+    ``world_size`` (the tensor-parallel ranks) multiplies the CPU's figures only, as in vLLM."""
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
+    server = usage_context == "OPENAI_API_SERVER"
     if device.type != "cuda":
-        return 4096, 256
+        return (2048 if server else 4096) * world_size, (128 if server else 256) * world_size
     props = torch.cuda.get_device_properties(device)
     if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
-        return 16384, 1024
-    return 8192, 256
+        return (8192, 1024) if server else (16384, 1024)
+    return (2048, 256) if server else (8192, 256)
+
+
+def fit_batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, max_model_len: int,
+                     defaults: tuple[int, int]) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)``: a figure left out is :func:`batch_defaults`'s ``defaults``
+    fitted to the other, as vLLM 0.26's ``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`` fits it
+    (``vllm/engine/arg_utils.py``): the token budget at most ``max_num_seqs`` whole sequences, the sequences at
+    most one token each of the budget. Two that cannot go together raise ``ValueError`` with vLLM's words
+    (``SchedulerConfig.verify_max_model_len``, ``vllm/config/scheduler.py``). Changes nothing."""
+    default_tokens, default_seqs = defaults
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = min((max_num_seqs or default_seqs) * max_model_len, default_tokens)
+    if max_num_seqs is None:
+        max_num_seqs = min(default_seqs, max_num_batched_tokens)
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than or equal to "
+                         f"max_num_seqs ({max_num_seqs}).")
+    return max_num_seqs, max_num_batched_tokens
 
 
 def _is_token_list(p: object) -> bool:
@@ -136,9 +164,10 @@ class LLM:
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
     swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
-    ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`), one left out
-    fitted to the other as vLLM fits it (the budget at most ``max_num_seqs`` whole sequences, the sequences at
-    most the budget).
+    ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`: by device, by
+    ``tensor_parallel_size`` on a CPU, and by ``usage_context``, ``"LLM_CLASS"`` or ``"OPENAI_API_SERVER"``, which
+    ``pagedkv serve`` passes as vLLM's server passes ``UsageContext.OPENAI_API_SERVER``), one left out fitted to
+    the other as vLLM fits it (:func:`fit_batch_limits`).
     ``async_scheduling`` (default ``True``, vLLM 0.26's for these models): an ``AsyncScheduler`` and
     ``EngineCore.step_with_batch_queue``; ``False``: the plain ``Scheduler`` and ``EngineCore.step``.
     ``model_impl`` (vLLM's ``--model-impl``): ``"auto"`` runs the lab's own decoder for the Llama family on a
@@ -171,6 +200,7 @@ class LLM:
         kv_cache_memory_bytes: int | Sequence[int] | None = None,
         async_scheduling: bool = True,
         model_impl: str = "auto",
+        usage_context: str = "LLM_CLASS",
     ) -> None:
         block_size, seed = check_int(block_size, "block_size", 1), check_int(seed, "seed", 0)
         tensor_parallel_size = check_int(tensor_parallel_size, "tensor_parallel_size", 1)  # True is not 1 here
@@ -182,6 +212,8 @@ class LLM:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if attn_backend is not None and attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS} or None, got {attn_backend!r}")
+        if usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -211,17 +243,9 @@ class LLM:
             max_model_len = limit
         max_model_len = check_int(max_model_len, "max_model_len", 2, limit, why="for this model")
         self.max_model_len = max_model_len
-        # a figure left out is fitted to the other, as vLLM 0.26's
-        # EngineArgs._set_default_max_num_seqs_and_batched_tokens_args does (vllm/engine/arg_utils.py): the token
-        # budget at most max_num_seqs whole sequences, the sequences at most one token each of the budget
-        default_tokens, default_seqs = batch_defaults(self.device)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = min((max_num_seqs or default_seqs) * max_model_len, default_tokens)
-        if max_num_seqs is None:
-            max_num_seqs = min(default_seqs, max_num_batched_tokens)
-        if max_num_batched_tokens < max_num_seqs:  # SchedulerConfig.verify_max_model_len (vllm/config/scheduler.py)
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be greater than or equal to "
-                             f"max_num_seqs ({max_num_seqs}).")
+        max_num_seqs, max_num_batched_tokens = fit_batch_limits(
+            max_num_seqs, max_num_batched_tokens, max_model_len,
+            batch_defaults(self.device, tensor_parallel_size, usage_context))
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

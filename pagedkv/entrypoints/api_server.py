@@ -619,7 +619,8 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
                   preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
-                  enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device)
+                  enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device,
+                  usage_context="OPENAI_API_SERVER")  # vLLM's server's batch defaults (EngineArgs.get_batch_defaults)
     print(describe_kv_pool(llm, args, log.getvalue()), flush=True)
     if args.kv_reservation == "contiguous":
         reserve_contiguous(llm)

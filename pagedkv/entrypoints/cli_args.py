@@ -25,8 +25,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV pool size in bytes (blocks = bytes // one block over all layers), instead of profiling")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once (default: vLLM's for its server: 128 on a CPU, 256 or 1024 on a GPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: vLLM's for its server: 2048 on a CPU, 2048 or 8192 on a GPU; at "
+                   "most max-num-seqs whole sequences)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     p.add_argument("--kv-reservation", choices=("paged", "contiguous"), default="paged",
