@@ -233,3 +233,22 @@ def test_a_figure_left_out_is_fitted_to_the_other_as_vllm_does(model):
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be greater than or equal to "
                                          r"max_num_seqs \(16\)"):
         LLM(model, num_gpu_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=16)
+
+
+def test_helpers_name_what_they_were_given():
+    """``parse_metrics(None)`` failed on ``.splitlines``, ``aggregate([{}])`` with ``KeyError: 'mode'``,
+    ``unify_num_blocks(None)`` with "'NoneType' object is not iterable"."""
+    from pagedkv.benchmarks.serve import aggregate
+    from pagedkv.sizing.parallel import unify_num_blocks
+
+    with pytest.raises(TypeError, match=r"text of a /metrics page \(a str\), got NoneType"):
+        parse_metrics(None)
+    with pytest.raises(ValueError, match="run 1 is not a benchmark run .*no mode, request_rate, errors, timeseries"):
+        aggregate([{"mode": "paged", "request_rate": 1.0, "errors": [], "timeseries": []}, {}])
+    with pytest.raises(ValueError, match=r"run 0 .*no errors, timeseries"):
+        aggregate([{"mode": "paged", "request_rate": 1.0}])
+    assert aggregate([]) == []
+    for bad in (None, 5, "12"):
+        with pytest.raises(ValueError, match="give each rank's block count"):
+            unify_num_blocks(bad)
+    assert unify_num_blocks((3, 2)) == 2

@@ -178,7 +178,9 @@ _METRIC_RE = re.compile(r"^(vllm:[a-zA-Z0-9_:]+)(?:\{[^}]*\})?\s+(\S+)(?:\s+-?[0
 
 def parse_metrics(text: str) -> dict[str, float]:
     """The ``vllm:*`` samples of a Prometheus text page, summed over their labels (e.g. over ``finished_reason``),
-    histogram buckets skipped (their ``_sum`` and ``_count`` kept)."""
+    histogram buckets skipped (their ``_sum`` and ``_count`` kept). ``TypeError`` for anything but a string."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse_metrics takes the text of a /metrics page (a str), got {type(text).__name__}")
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _METRIC_RE.match(line)
@@ -298,12 +300,21 @@ async def compare(bases: dict[str, str], model: str, requests: list[SampleReques
 SPREAD_KEYS = ("request_throughput", "output_throughput", "median_ttft_ms", "median_tpot_ms", "max_running")
 
 
+#: What :func:`aggregate` reads of every run.
+_RUN_KEYS = ("mode", "request_rate", "errors", "timeseries")
+
+
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (mode, rate), in first-seen order: the median over its repetitions of every numeric figure,
     ``KEY_min`` and ``KEY_max`` for :data:`SPREAD_KEYS`, ``repeats``, and the time series of the last repetition.
     The median of a few short runs reads right where one long run can be thrown by a burst of load; the min-max
-    range shows how far the repetitions disagreed."""
+    range shows how far the repetitions disagreed. ``ValueError`` names a run that is not one of
+    :func:`compare`'s (a dict with ``mode``, ``request_rate``, ``errors`` and ``timeseries``)."""
     groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for i, r in enumerate(runs):
+        missing = [k for k in _RUN_KEYS if k not in r] if isinstance(r, dict) else list(_RUN_KEYS)
+        if missing:
+            raise ValueError(f"run {i} is not a benchmark run (as compare() returns): it has no {', '.join(missing)}")
     for r in runs:
         groups.setdefault((r["mode"], r["request_rate"]), []).append(r)
     rows = []
