@@ -23,6 +23,9 @@ def test_the_cpu_table_is_vllms_and_grows_with_the_workers():
     assert batch_defaults(CPU, 4, "OPENAI_API_SERVER") == (8192, 512)
     with pytest.raises(ValueError, match="usage_context must be one of"):
         batch_defaults(CPU, usage_context="llm")
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="world_size"):
+            batch_defaults(CPU, bad)
 
 
 @pytest.mark.parametrize(("seqs", "tokens", "want"), [

@@ -93,6 +93,7 @@ def batch_defaults(device: torch.device, world_size: int = 1,
     of at least 70 GiB that is not an A100 (H100, H200), 8,192 and 256 on other GPUs, 4,096 and 256 per worker
     on a CPU. The server: 8,192 and 1,024, then 2,048 and 256, then 2,048 and 128 per worker on a CPU.
     ``world_size`` (the tensor-parallel ranks) multiplies the CPU's figures only, as in vLLM."""
+    world_size = check_int(world_size, "world_size", 1)
     if usage_context not in USAGE_CONTEXTS:
         raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
     server = usage_context == "OPENAI_API_SERVER"
