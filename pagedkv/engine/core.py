@@ -130,7 +130,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> Request:
         """Queue ``request`` in the scheduler (which refuses, with ``ValueError`` and no change, a duplicate id
         or a request that could never fit); returns the scheduler's :class:`~pagedkv.request.Request`.
-        Its stop tokens are ``stop_token_ids`` plus the model's EOS ids unless ``ignore_eos``.
+        Its stop tokens are ``stop_token_ids`` plus, unless ``ignore_eos``, the model's EOS ids and the tokenizer's.
         Mirrors ``EngineCore.add_request``."""
         params = request.sampling_params
         kwargs: dict[str, Any] = {"priority": request.priority, "sampling_params": params,
@@ -141,8 +141,10 @@ class EngineCore:
         self.scheduler.add_request(req)
         rid = req.request_id
         stop = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop |= self.eos_token_ids
+        if not params.ignore_eos:  # the model's EOS ids and the tokenizer's, as vLLM's InputProcessor.process_inputs
+            stop |= self.eos_token_ids  # gives each request (SamplingParams.update_from_generation_config)
+            if self.tokenizer_eos_token_id is not None:
+                stop.add(self.tokenizer_eos_token_id)
         self.requests[rid] = req
         self._stop_ids[rid] = frozenset(stop)
         self._ignore_eos[rid] = params.ignore_eos

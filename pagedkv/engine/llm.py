@@ -154,6 +154,7 @@ class _Completion:
     num_preemptions: int = 0
     stop_state: RequestState | None = None  # with stop strings: the text so far, checked after every step
     include_stop_str_in_output: bool = False  # a stop token's text too
+    finish_order: int = -1  # when it finished among this call's completions (0 first)
 
 
 class LLM:
@@ -581,6 +582,7 @@ class LLM:
                             stopped_by_string = True
                         if completions[out.request_id].finish_reason is not None:
                             unfinished.discard(out.request_id)
+                            completions[out.request_id].finish_order = len(completions) - len(unfinished)
                             left[completions[out.request_id].prompt_index] -= 1
                             if left[completions[out.request_id].prompt_index] == 0:
                                 bar.update(1)
@@ -658,8 +660,11 @@ class LLM:
             out.outputs.append(CompletionOutput(c.index, text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                                 c.num_preemptions))
             out.num_preemptions += c.num_preemptions
-            if c.index == 0:
-                out.num_cached_tokens = c.num_cached_tokens
+        # vLLM makes an n > 1 request's output when its last child finishes, with that child's num_cached_tokens
+        # (`vllm/v1/engine/output_processor.py`: `RequestState.make_request_output`;
+        # `vllm/v1/engine/parallel_sampling.py`: `ParentRequest.get_outputs`)
+        for c in sorted(completions.values(), key=lambda c: c.finish_order):
+            outputs[c.prompt_index].num_cached_tokens = c.num_cached_tokens
         return outputs
 
     def __repr__(self) -> str:

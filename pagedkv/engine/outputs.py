@@ -29,7 +29,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """One prompt's result, in vLLM's shape. ``num_cached_tokens`` is the prompt tokens served from the
-    prefix cache when the request was first admitted (vLLM's field of that name); ``num_preemptions`` the
+    prefix cache when the request was first admitted (vLLM's field of that name; with ``n > 1``, as in vLLM, the
+    count of the completion that finished last); ``num_preemptions`` the
     preemptions of all its sequences together (lab addition). ``prompt_logprobs`` is vLLM's field, always
     ``None`` here."""
 

@@ -49,7 +49,9 @@ class SamplingParams:
                 self.stop = list(self.stop)
             except TypeError:
                 raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (str, bytes, list)):
+        if self.stop_token_ids is None:  # vLLM's normalisation too: None -> []
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (str, bytes, list)):
             try:  # any iterable of ids (a tuple, a set, a generator), read once
                 self.stop_token_ids = list(self.stop_token_ids)
             except TypeError:

@@ -360,22 +360,32 @@ async def merge_async_iterators(*iterators: AsyncIterator[Any]) -> AsyncIterator
 
 
 class CompletionRun:
-    """Collects one request's deltas per choice: text, token ids, finish and stop reasons."""
+    """Collects one request's deltas per choice: text, token ids, finish and stop reasons, and the prompt tokens
+    served from the prefix cache as vLLM reports them: a stream, the first output's (``first_iteration``); a
+    whole response, the last prompt's ``RequestOutput``, made when its last child finished
+    (``request_output_to_completion_response``: ``last_final_res.num_cached_tokens``)."""
 
     def __init__(self, num_choices: int) -> None:
         self.text = [""] * num_choices
         self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
         self.finish: list[str | None] = [None] * num_choices
         self.stop_reason: list[int | str | None] = [None] * num_choices
-        self.cached: int | None = None  # prompt tokens served from the prefix cache (the first prompt's)
+        self.cached: int | None = None  # the first delta's (a stream's usage)
+        self._finished_cached: dict[int, int] = {}  # prompt -> the cached tokens of its choice that finished last
 
-    def add(self, i: int, d: CompletionDelta) -> None:
-        if i == 0 and self.cached is None:
+    def add(self, i: int, d: CompletionDelta, prompt: int = 0) -> None:
+        if self.cached is None:
             self.cached = d.num_cached_tokens
         self.text[i] += d.text
         self.token_ids[i].extend(d.token_ids)
         if d.finish_reason is not None:
             self.finish[i], self.stop_reason[i] = d.finish_reason, d.stop_reason
+            self._finished_cached[prompt] = d.num_cached_tokens
+
+    @property
+    def final_cached(self) -> int | None:
+        """A whole response's cached tokens: the last prompt's, from its choice that finished last."""
+        return self._finished_cached[max(self._finished_cached)] if self._finished_cached else self.cached
 
     @property
     def completion_tokens(self) -> int:
@@ -462,7 +472,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
 
     @app.get("/v1/models")
     async def show_available_models() -> JSONResponse:
-        cards = [P.ModelCard(id=name, root=serving.model_path, max_model_len=engine.max_model_len) for name in names]
+        cards = [P.ModelCard(id=name, root=serving.model_path, max_model_len=engine.max_model_len,
+                             permission=[P.ModelPermission()]) for name in names]  # OpenAIModelRegistry's
         return JSONResponse(P.ModelList(data=cards).model_dump())
 
     @app.get("/metrics")
@@ -520,7 +531,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
 
         run = CompletionRun(num_choices * len(prompts))
         async for p, d in merged:
-            run.add(p * num_choices + d.index, d)
+            run.add(p * num_choices + d.index, d, p)
         choices = []
         for i in range(len(run.text)):
             p = i // num_choices
@@ -532,7 +543,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                                                       prompt_token_ids=prompts[p] if with_ids else None,
                                                       token_ids=ids if with_ids else None))
         body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
-                                    usage=serving.usage(prompts, run.completion_tokens, run.cached))
+                                    usage=serving.usage(prompts, run.completion_tokens, run.final_cached))
         return JSONResponse(body.model_dump(exclude_none=False))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)])
@@ -581,7 +592,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                                                   token_ids=run.token_ids[i] if with_ids else None)
                    for i in range(request.n)]
         body = P.ChatCompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
-                                        usage=serving.usage([prompt], run.completion_tokens, run.cached),
+                                        usage=serving.usage([prompt], run.completion_tokens, run.final_cached),
                                         prompt_token_ids=prompt if with_ids else None)
         return JSONResponse(body.model_dump())
 

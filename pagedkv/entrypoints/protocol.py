@@ -3,7 +3,8 @@
 Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/openai/completion/protocol.py``
 (``CompletionRequest``, ``CompletionResponse``, ``CompletionStreamResponse``),
 ``vllm/entrypoints/openai/chat_completion/protocol.py`` (``ChatCompletionRequest``) and
-``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``).
+``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``,
+``ModelPermission``).
 The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve (``logprobs``,
 beam search, the penalties, ``min_p``, ``min_tokens``, ``logit_bias``, ...: :data:`UNSERVED`), with
 vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
@@ -64,6 +65,21 @@ class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
 
 
+class ModelPermission(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"modelperm-{random_uuid()}")
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIBaseModel):
     id: str
     object: str = "model"
@@ -72,6 +88,7 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=list)
 
 
 class ModelList(OpenAIBaseModel):
@@ -81,6 +98,8 @@ class ModelList(OpenAIBaseModel):
 
 class PromptTokenUsageInfo(OpenAIBaseModel):
     cached_tokens: int | None = None
+    created_cache_tokens: int | None = None  # vLLM fills it for chat only; the lab leaves it None
+    multimodal_tokens: dict[str, int] | None = None
 
 
 class UsageInfo(OpenAIBaseModel):

@@ -31,7 +31,7 @@ _CORPUS = (
 
 def tiny_tokenizer(vocab_size: int = 512) -> Any:
     """A byte-level BPE tokenizer of ``vocab_size`` ids (the 256 bytes, 3 special tokens, merges for the rest),
-    trained on a fixed paragraph: deterministic, offline, with ``CHAT_TEMPLATE``."""
+    trained on a fixed paragraph: deterministic, offline, with ``CHAT_TEMPLATE`` and no EOS token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,8 +42,10 @@ def tiny_tokenizer(vocab_size: int = 512) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_CORPUS], trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                                   unk_token="<|unk|>")
+    # no EOS token: the engine stops on the tokenizer's EOS, as vLLM does, and the tiny model is served without one
+    # (every completion runs to max_tokens); <|endoftext|> stays a special token, skipped in decoded text
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", unk_token="<|unk|>",
+                                   additional_special_tokens=["<|endoftext|>"])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

@@ -1,0 +1,119 @@
+"""Defaults and valid edge input, compared with vLLM 0.26: what the engine and the server do when a field is left
+out. Each test cites the vLLM symbol whose behaviour it pins; tiny seeded models, no downloads."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine.tiny_models import tiny_model
+
+PROMPT = list(range(1, 41))  # 40 tokens: two full blocks of 16 and 8 more
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", seed=0)
+
+
+class _Tokenizer:
+    """A tokenizer whose EOS id is chosen by the test (no vocabulary: the prompts are token ids)."""
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos_token_id = eos_token_id
+
+    def decode(self, ids, **kw) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_sampling_params_stop_token_ids_default_is_an_empty_list():
+    """vLLM normalises ``stop_token_ids=None`` to ``[]`` as ``stop`` to ``[]`` (``vllm/sampling_params.py``:
+    ``SamplingParams.__post_init__``)."""
+    p = SamplingParams()
+    assert p.stop_token_ids == [] and p.stop == []
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []
+    assert p.verified().stop_token_ids == []
+
+
+def test_the_tokenizers_eos_stops_generation(llama):
+    """The tokenizer's EOS ends a request (``"stop"``, ``stop_reason`` None, its text left out) even when the model's
+    generation config names no EOS: vLLM's input processor gives every request the tokenizer's EOS
+    (``vllm/v1/engine/input_processor.py``: ``InputProcessor.process_inputs``, ``SamplingParams.
+    update_from_generation_config`` in ``vllm/sampling_params.py``) and ``check_stop`` (``vllm/v1/core/sched/utils.py``)
+    stops on it unless ``ignore_eos``."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    llm = LLM(llama, num_gpu_blocks=64, block_size=16)
+    ref = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eos = ref[3]
+    first = ref.index(eos)
+    llm.tokenizer = _Tokenizer(eos)
+    out = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    assert out.text == " ".join(map(str, ref[:first]))  # the EOS is no part of the text
+    ignored = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == ref and ignored.finish_reason == "length"
+
+
+def test_the_tiny_tokenizer_declares_no_eos():
+    """``pagedkv serve tiny`` promises completions that run to ``max_tokens``; since the engine now stops on the
+    tokenizer's EOS as vLLM does (``vllm/renderers/base.py``: ``BaseRenderer.get_eos_token_id``), the tiny tokenizer
+    declares none. ``<|endoftext|>`` stays special: skipped in decoded text."""
+    from pagedkv.entrypoints.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    assert tok.eos_token_id is None
+    end = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert end in tok.all_special_ids and tok.decode([end], skip_special_tokens=True) == ""
+
+
+def test_parallel_sampling_reports_the_last_finished_childs_cached_tokens(llama):
+    """With ``n > 1`` the ``RequestOutput`` is made when the last child finishes, with that child's
+    ``num_cached_tokens`` (``vllm/v1/engine/output_processor.py``: ``RequestState.make_request_output``,
+    ``ParentRequest.get_outputs`` in ``vllm/v1/engine/parallel_sampling.py``): children 1.. hit the prompt's full
+    blocks that child 0 allocated in the same step, so a 40-token prompt reports 32, not child 0's 0."""
+    llm = LLM(llama, num_gpu_blocks=64, block_size=16)
+    (out,) = llm.generate([PROMPT], SamplingParams(n=3, max_tokens=4, seed=1), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert out.num_cached_tokens == 32
+    single = llm.generate([list(range(100, 140))], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert single[0].num_cached_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def srv():
+    from test_serve import serving
+
+    with serving("--enable-prompt-tokens-details") as s:
+        yield s
+
+
+def test_models_card_carries_a_permission(srv):
+    """``/v1/models``: each card has vLLM's ``permission`` list, one ``ModelPermission`` (``vllm/entrypoints/openai/
+    models/serving.py``: ``OpenAIModelRegistry.show_available_models``; ``vllm/entrypoints/openai/engine/protocol.py``:
+    ``ModelPermission``)."""
+    (card,) = srv.client.get("/v1/models").json()["data"]
+    (perm,) = card["permission"]
+    assert perm["object"] == "model_permission" and perm["id"].startswith("modelperm-")
+    assert (perm["allow_sampling"], perm["allow_logprobs"], perm["organization"]) == (True, True, "*")
+    assert card["max_model_len"] == srv.llm.max_model_len and card["root"] == "tiny"
+
+
+def test_completion_usage_cached_tokens_are_the_last_prompts(srv):
+    """A non-streamed completion of several prompts reports the *last* prompt's cached tokens
+    (``vllm/entrypoints/openai/completion/serving.py``: ``OpenAIServingCompletion.
+    request_output_to_completion_response``, ``last_final_res.num_cached_tokens``): two equal 40-token prompts
+    in one request, the second hits the first's two full blocks."""
+    prompt = list(range(300, 340))
+    r = srv.client.post("/v1/completions", json={"prompt": [prompt, prompt], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    # vLLM's PromptTokenUsageInfo, dumped whole (created_cache_tokens: chat's only; no multimodal input)
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "created_cache_tokens": None,
+                                                          "multimodal_tokens": None}
+    other = list(range(400, 440))
+    r = srv.client.post("/v1/completions", json={"prompt": other, "max_tokens": 2, "n": 2, "seed": 3})
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # the last child's
