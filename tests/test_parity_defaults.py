@@ -117,3 +117,47 @@ def test_completion_usage_cached_tokens_are_the_last_prompts(srv):
     other = list(range(400, 440))
     r = srv.client.post("/v1/completions", json={"prompt": other, "max_tokens": 2, "n": 2, "seed": 3})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # the last child's
+
+
+def test_generate_without_params_takes_the_models_generation_config(llama):
+    """``LLM.generate(prompts)`` with no ``SamplingParams`` uses ``get_default_sampling_params()``: vLLM's neutral
+    defaults overridden by the generation config's temperature, top_k, top_p and ``max_new_tokens``
+    (``vllm/entrypoints/llm.py``: ``LLM.get_default_sampling_params``; ``vllm/config/model.py``:
+    ``ModelConfig.get_diff_sampling_param``), unless ``generation_config="vllm"``. The lab used plain
+    ``SamplingParams()`` whatever the model's config said."""
+    import copy
+    import warnings
+
+    model = copy.deepcopy(llama)
+    model.generation_config.temperature, model.generation_config.max_new_tokens = 0.0, 5
+    llm = LLM(model, num_gpu_blocks=64, block_size=16)
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert llm.get_default_sampling_params().max_tokens == 5
+    assert llm.generate([PROMPT], use_tqdm=False)[0].outputs[0].token_ids == greedy.token_ids
+    assert llm.default_sampling_params == {"temperature": 0.0, "max_tokens": 5}
+    neutral = LLM(model, num_gpu_blocks=64, block_size=16, generation_config="vllm")
+    assert neutral.get_default_sampling_params() == SamplingParams()
+    assert len(neutral.generate([PROMPT], use_tqdm=False)[0].outputs[0].token_ids) == 16
+    with pytest.raises(ValueError, match="generation_config must be 'auto'"):
+        LLM(model, num_gpu_blocks=64, block_size=16, generation_config="model")
+    model.generation_config.repetition_penalty = 1.1  # the lab has no repetition penalty: said, then left out
+    with pytest.warns(UserWarning, match=r"sets \{'repetition_penalty': 1.1\}, which the lab's sampler does not"):
+        params = LLM(model, num_gpu_blocks=64, block_size=16).get_default_sampling_params()
+    assert (params.temperature, params.max_tokens) == (0.0, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per engine
+        LLM(model, num_gpu_blocks=64, block_size=16, generation_config="vllm").get_default_sampling_params()
+
+
+def test_the_server_fills_omitted_sampling_fields_from_the_generation_config():
+    """A request that leaves out temperature, top_p or top_k gets the engine's defaults
+    (``vllm/entrypoints/openai/completion/protocol.py``: ``CompletionRequest.to_sampling_params`` with the
+    serving class's ``default_sampling_params``): here a generation config at temperature 0 makes it greedy."""
+    from test_serve import completion, serving
+
+    with serving() as s:
+        s.llm.model.generation_config.temperature = 0.0
+        omitted = completion(s, prompt=[9, 8, 7], max_tokens=8, return_token_ids=True)["choices"][0]["token_ids"]
+        greedy = completion(s, prompt=[9, 8, 7], max_tokens=8, temperature=0,
+                            return_token_ids=True)["choices"][0]["token_ids"]
+        assert omitted == greedy

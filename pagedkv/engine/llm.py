@@ -19,6 +19,7 @@ loop, one step at a time: the same tokens either way. ``n > 1`` is ``n`` request
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -123,6 +124,27 @@ def fit_batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | Non
     return max_num_seqs, max_num_batched_tokens
 
 
+#: The generation-config fields vLLM 0.26 takes as sampling defaults (``ModelConfig.get_diff_sampling_param``,
+#: ``vllm/config/model.py``); ``max_new_tokens`` becomes ``max_tokens``.
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+#: Those of them the lab's sampler has no use for, with the value that changes nothing.
+_UNSERVED_NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0}
+
+
+def diff_sampling_params(generation_config: Any) -> dict[str, Any]:
+    """The sampling defaults a model's generation config sets, as vLLM 0.26's
+    ``ModelConfig.get_diff_sampling_param`` reads them (``vllm/config/model.py``): of the fields that differ from
+    transformers' own defaults (``GenerationConfig.to_diff_dict``), those in :data:`GENERATION_CONFIG_FIELDS`
+    that are not None, ``max_new_tokens`` renamed ``max_tokens``. ``{}`` without a config."""
+    if generation_config is None or not hasattr(generation_config, "to_diff_dict"):
+        return {}
+    config = generation_config.to_diff_dict()
+    diff = {k: config[k] for k in GENERATION_CONFIG_FIELDS if config.get(k) is not None}
+    if "max_new_tokens" in diff:
+        diff["max_tokens"] = diff.pop("max_new_tokens")
+    return diff
+
+
 def _is_token_list(p: object) -> bool:
     """Whether ``p`` is one prompt of token ids rather than a list of prompts: a non-empty sequence whose first
     element is a number (its elements are checked by :func:`_token_ids`)."""
@@ -169,7 +191,9 @@ class LLM:
     ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`: by device, by
     ``tensor_parallel_size`` on a CPU, and by ``usage_context``, ``"LLM_CLASS"`` or ``"OPENAI_API_SERVER"``, which
     ``pagedkv serve`` passes as vLLM's server passes ``UsageContext.OPENAI_API_SERVER``), one left out fitted to
-    the other as vLLM fits it (:func:`fit_batch_limits`).
+    the other as vLLM fits it (:func:`fit_batch_limits`). ``generation_config`` (vLLM's ``--generation-config``):
+    ``"auto"`` takes ``generate``'s default sampling from the model's generation config, ``"vllm"`` ignores it
+    (:meth:`get_default_sampling_params`).
     ``async_scheduling`` (default ``True``, vLLM 0.26's for these models): an ``AsyncScheduler`` and
     ``EngineCore.step_with_batch_queue``; ``False``: the plain ``Scheduler`` and ``EngineCore.step``.
     ``model_impl`` (vLLM's ``--model-impl``): ``"auto"`` runs the lab's own decoder for the Llama family on a
@@ -203,6 +227,7 @@ class LLM:
         async_scheduling: bool = True,
         model_impl: str = "auto",
         usage_context: str = "LLM_CLASS",
+        generation_config: str = "auto",
     ) -> None:
         block_size, seed = check_int(block_size, "block_size", 1), check_int(seed, "seed", 0)
         tensor_parallel_size = check_int(tensor_parallel_size, "tensor_parallel_size", 1)  # True is not 1 here
@@ -216,6 +241,9 @@ class LLM:
             raise ValueError(f"attn_backend must be one of {BACKENDS} or None, got {attn_backend!r}")
         if usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (vLLM's "
+                             f"neutral ones), got {generation_config!r}")
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -251,6 +279,8 @@ class LLM:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.generation_config = generation_config
+        self.default_sampling_params: dict[str, Any] | None = None  # read on first use, as vLLM's LLM
         self.memory_profile = None
         # lesson 8: one KV cache group per attention type (None: one full-attention group, lessons 2-7's manager;
         # also under tensor parallelism, where a sliding layer's window is only a mask and every block is kept)
@@ -514,6 +544,24 @@ class LLM:
                 f"use num_gpu_blocks >= {need + 1} (block 0 is the null block) or a smaller max_tokens"
             )
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by
+        the sampling fields of the model's generation config (``generation_config.json``: ``temperature``,
+        ``top_k``, ``top_p``, ``max_new_tokens`` as ``max_tokens``) unless the engine was made with
+        ``generation_config="vllm"``. The lab has no repetition penalty and no ``min_p``: a config that sets them
+        to anything but 1 and 0 gets a warning naming them (where vLLM would apply them, the lab samples without),
+        once per engine. Reads the config once and keeps it (``self.default_sampling_params``). Mirrors
+        ``LLM.get_default_sampling_params`` (``vllm/entrypoints/llm.py``)."""
+        if self.default_sampling_params is None:
+            source = None if self.generation_config == "vllm" else getattr(self.model, "generation_config", None)
+            self.default_sampling_params = diff_sampling_params(source)
+            ignored = {k: v for k, v in self.default_sampling_params.items()
+                       if k in _UNSERVED_NEUTRAL and v != _UNSERVED_NEUTRAL[k]}
+            if ignored:
+                warnings.warn(f"the model's generation config sets {ignored}, which the lab's sampler does not "
+                              "implement: sampling without them (vLLM applies them)", stacklevel=2)
+        return SamplingParams(**{k: v for k, v in self.default_sampling_params.items() if k not in _UNSERVED_NEUTRAL})
+
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -527,7 +575,7 @@ class LLM:
         engine stays usable. Mirrors ``LLM.generate`` (``vllm/entrypoints/llm.py``)."""
         prompt_ids, texts = self._tokenize(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_ids)
         else:

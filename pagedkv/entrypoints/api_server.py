@@ -254,15 +254,17 @@ class OpenAIServing:
             raise ServingError(str(exc), HTTPStatus.BAD_REQUEST) from None
         return self.tokenize(text, add_special_tokens=request.add_special_tokens)
 
-    @staticmethod
-    def sampling_params(request: P._SamplingFields, max_tokens: int) -> SamplingParams:
-        """vLLM's ``to_sampling_params`` with its defaults (temperature 1, top_p 1, top_k 0 = no limit)."""
+    def sampling_params(self, request: P._SamplingFields, max_tokens: int) -> SamplingParams:
+        """vLLM's ``to_sampling_params``: a field the request leaves out is the engine's default
+        (``default_sampling_params``: the model's generation config, else temperature 1, top_p 1, top_k 0 = no
+        limit; :meth:`LLM.get_default_sampling_params`)."""
+        default = self.engine.llm.get_default_sampling_params()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=0 if request.top_k is None else request.top_k,
+                temperature=default.temperature if request.temperature is None else request.temperature,
+                top_p=default.top_p if request.top_p is None else request.top_p,
+                top_k=default.top_k if request.top_k is None else request.top_k,
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
                 ignore_eos=request.ignore_eos,
             )
