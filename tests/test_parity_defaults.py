@@ -161,3 +161,18 @@ def test_the_server_fills_omitted_sampling_fields_from_the_generation_config():
         greedy = completion(s, prompt=[9, 8, 7], max_tokens=8, temperature=0,
                             return_token_ids=True)["choices"][0]["token_ids"]
         assert omitted == greedy
+
+
+def test_a_chat_without_max_tokens_stops_at_the_generation_configs_max_new_tokens():
+    """Chat's ``max_tokens`` left out is the room the context leaves, at most the generation config's
+    ``max_new_tokens`` (``vllm/entrypoints/serve/utils/api_utils.py``: ``get_max_tokens`` with the serving class's
+    ``default_sampling_params``)."""
+    from test_serve import serving
+
+    with serving() as s:
+        s.llm.model.generation_config.max_new_tokens = 3
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}
+        r = s.client.post("/v1/chat/completions", json=body).json()
+        assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length", r
+        r = s.client.post("/v1/chat/completions", json={**body, "max_tokens": 5}).json()
+        assert r["usage"]["completion_tokens"] == 5, r  # a request's own max_tokens wins

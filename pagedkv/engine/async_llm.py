@@ -188,7 +188,8 @@ class AsyncLLM:
         ``get_max_tokens`` (``vllm/entrypoints/serve/utils/api_utils.py``), ``TokenizeParams._token_len_check``
         (``vllm/renderers/params.py``) and ``InputProcessor`` (``vllm/v1/engine/input_processor.py``), in vLLM's
         order: the length (against ``max_tokens or 0``), then ``max_tokens`` (chat's ``None`` is the room left,
-        which a prompt of ``max_model_len`` tokens makes 0), then the vocabulary."""
+        which a prompt of ``max_model_len`` tokens makes 0, at most the model's generation config's
+        ``max_new_tokens``), then the vocabulary."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("The prompt is empty: a request needs at least one token.", "prompt")
@@ -199,8 +200,10 @@ class AsyncLLM:
                 f"{want} output tokens and your prompt contains {n} input tokens, for a total of {n + want} "
                 "tokens. Please reduce the length of the input prompt or the number of requested output tokens.",
                 "input_tokens")
-        if max_tokens is None:
-            max_tokens = self.max_model_len - n
+        if max_tokens is None:  # the room left, at most the generation config's max_new_tokens (get_max_tokens)
+            self.llm.get_default_sampling_params()  # reads the config once
+            configured = (self.llm.default_sampling_params or {}).get("max_tokens")
+            max_tokens = min(self.max_model_len - n, configured if configured is not None else self.max_model_len)
         if max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
         vocab = self.llm.model.config.vocab_size
