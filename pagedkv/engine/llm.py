@@ -700,7 +700,7 @@ class LLM:
         ]
         for c in sorted(completions.values(), key=lambda c: (c.prompt_index, c.index)):
             out = outputs[c.prompt_index]
-            text = None
+            text = ""  # no tokenizer: vLLM's IncrementalDetokenizer base class gives "" (vllm/v1/engine/detokenizer.py)
             if c.stop_state is not None and c.stop_state.stop_reason in c.stop_state.stop:
                 text = c.stop_state.text  # cut at its stop string
             elif self.tokenizer is not None:

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
-    """One of a prompt's ``n`` completions: its tokens, their text (when a tokenizer exists) and why it
+    """One of a prompt's ``n`` completions: its tokens, their text (``""`` without a tokenizer, as vLLM) and why it
     stopped (``"length"``: ``max_tokens`` reached; ``"stop"``: EOS, a stop token or a stop string; ``"abort"``);
     ``stop_reason`` is the stop token id or stop string that ended it (``None`` for the tokenizer's EOS or a
     length cap). ``num_preemptions`` counts how often this sequence was preempted (lab addition).
     ``cumulative_logprob`` and ``logprobs`` are vLLM's fields, always ``None``: the lab computes no logprobs."""
 
     index: int
-    text: str | None
+    text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
