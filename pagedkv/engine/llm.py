@@ -188,6 +188,11 @@ class LLM:
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
     swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
+    Two defaults differ from vLLM 0.26's on purpose: ``dtype=None`` keeps the checkpoint's own dtype, float32
+    included, so that greedy tokens can match transformers' exactly (vLLM's ``"auto"`` casts a float32 config
+    to the platform's first dtype, ``_resolve_auto_dtype`` in ``vllm/config/model.py``); and ``block_size`` is 16
+    on a CPU too, the lessons' size (vLLM's CPU platform takes 128 unless told,
+    ``CpuPlatform.check_and_update_config`` in ``vllm/platforms/cpu.py``).
     ``max_num_seqs``/``max_num_batched_tokens`` default to vLLM 0.26's (:func:`batch_defaults`: by device, by
     ``tensor_parallel_size`` on a CPU, and by ``usage_context``, ``"LLM_CLASS"`` or ``"OPENAI_API_SERVER"``, which
     ``pagedkv serve`` passes as vLLM's server passes ``UsageContext.OPENAI_API_SERVER``), one left out fitted to
