@@ -448,6 +448,7 @@ def _ppid(pid: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is used on Linux (elsewhere: spawn)")
 def test_workers_come_from_one_fork_server():
     """Every worker is forked from multiprocessing's fork server (which imported torch and transformers once),
     never from the engine's own process, and one fork server serves every engine of the process."""

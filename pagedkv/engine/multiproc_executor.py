@@ -1,10 +1,11 @@
 """The tensor-parallel executor: one worker process per rank, started, driven and stopped by the engine.
 
-The engine's process keeps the scheduler and the sampler; it starts ``tp`` worker processes, each forked from
-multiprocessing's *fork server* (a fresh interpreter started once per engine process, which has imported torch,
-transformers and the worker's code: a worker starts in a fraction of a second instead of importing them again,
-and is never a fork of the engine's own process, which may hold CUDA or threads), which join one ``torch.distributed``
-group (gloo on a CPU, NCCL on GPUs) through a ``TCPStore`` the engine opened on the loopback at a free port.
+The engine's process keeps the scheduler and the sampler; it starts ``tp`` worker processes, on Linux each forked
+from multiprocessing's *fork server* (a fresh interpreter started once per engine process, which has imported torch,
+transformers and the worker's code: a worker starts in a fraction of a second instead of importing them again;
+elsewhere a fresh interpreter each, *spawn*), never a fork of the engine's own process, which may hold CUDA or
+threads. They join one ``torch.distributed`` group (gloo on a CPU, NCCL on GPUs) through a ``TCPStore`` the engine
+opened on the loopback at a free port.
 Each step the engine broadcasts the scheduler output, pickled once, to every rank; every rank runs the same
 forward pass on its shard (the ranks meet in the model's all-reduces) and rank 0, the output rank, sends back the
 gathered logits. The others send an empty acknowledgement, so a rank that fails is seen at once.
@@ -53,6 +54,9 @@ from pagedkv.sched_output import SchedulerOutput
 
 #: Seconds a worker gets to leave after being asked, then after SIGTERM, before it is killed.
 SHUTDOWN_TIMEOUT_S = 5.0
+#: How workers start: forked from multiprocessing's fork server on Linux; elsewhere (macOS, where a fork of a process
+#: that has loaded Apple's frameworks may crash) a fresh interpreter each (*spawn*).
+START_METHOD = "forkserver" if sys.platform.startswith("linux") else "spawn"
 #: What the fork server imports once, before it forks any worker: the worker's code, torch, and transformers'
 #: model machinery (about 5 CPU-seconds a worker spent importing them before each start). Never ``__main__``.
 FORKSERVER_PRELOAD = ["pagedkv.engine.multiproc_executor", "pagedkv.engine.worker", "transformers.modeling_utils"]
@@ -255,8 +259,9 @@ class MultiprocExecutor:
         self.dead: str | None = None
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._death_writers,
                                            self._store_box)
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        ctx = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         try:
             with _sigint_ignored(), _main_module_hidden():
                 for rank in range(tensor_parallel_size):
