@@ -232,3 +232,18 @@ def test_prefill_names_seq_lens_when_the_table_has_too_few_rows():
     for validate in (True, False):
         with pytest.raises(ValueError, match=r"block_tables has 1 rows for the 2 sequences of seq_lens"):
             K.paged_prefill_attention(q, kc, vc, bt[:1], sl, qsl, validate=validate, max_query_len=9)
+
+
+def test_model_shape_refuses_a_dtype_that_is_not_a_float():
+    """``torch_dtype="int8"`` or ``torch.bool`` was read as the model's dtype (1-byte KV pages of integers)."""
+    from pagedkv.sizing.model import model_shape
+
+    base = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
+    for bad in ("int8", torch.bool, "torch.int32"):
+        with pytest.raises(ValueError, match="not a floating-point dtype"):
+            model_shape({**base, "torch_dtype": bad})
+    for bad in (5, True, "bogus"):
+        with pytest.raises(ValueError, match="not a torch dtype"):
+            model_shape({**base, "torch_dtype": bad})
+    assert model_shape({**base, "torch_dtype": "torch.bfloat16"}).dtype == torch.bfloat16
+    assert model_shape({**base, "dtype": torch.float16}).dtype == torch.float16

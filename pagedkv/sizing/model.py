@@ -44,14 +44,14 @@ def _config_dtype(config: Any) -> torch.dtype:
         value = _config_get(config, "torch_dtype")  # transformers 4's name (5 keeps it as a deprecated alias)
     if value is None:
         return torch.float32  # what transformers builds from a config that names no dtype
-    if isinstance(value, torch.dtype):
-        return value
+    dtype = value
     if isinstance(value, str):
-        name = value.removeprefix("torch.")
-        dtype = getattr(torch, name, None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    raise ValueError(f"the config's dtype {value!r} is not a torch dtype")
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"the config's dtype {value!r} is not a torch dtype")
+    if not dtype.is_floating_point:  # a model's weights and KV cache are floats (vLLM: "Unknown dtype")
+        raise ValueError(f"the config's dtype {value!r} is not a floating-point dtype (float32, float16, bfloat16)")
+    return dtype
 
 
 
