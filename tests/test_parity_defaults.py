@@ -176,3 +176,12 @@ def test_a_chat_without_max_tokens_stops_at_the_generation_configs_max_new_token
         assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length", r
         r = s.client.post("/v1/chat/completions", json={**body, "max_tokens": 5}).json()
         assert r["usage"]["completion_tokens"] == 5, r  # a request's own max_tokens wins
+
+
+def test_version_endpoint(srv):
+    """``GET /version`` answers ``{"version": ...}`` (``vllm/entrypoints/serve/instrumentator/basic.py``:
+    ``show_version``), the lab's package version in place of vLLM's; it was a 404."""
+    from importlib.metadata import version
+
+    r = srv.client.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": version("pagedkv-lab")}

@@ -472,6 +472,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                                 status_code=503)
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def show_version() -> JSONResponse:
+        """The server's version, as vLLM's ``show_version`` (``vllm/entrypoints/serve/instrumentator/basic.py``)
+        reports vLLM's: here the lab's package."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ver = version("pagedkv-lab")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            ver = "unknown"
+        return JSONResponse({"version": ver})
+
     @app.get("/v1/models")
     async def show_available_models() -> JSONResponse:
         cards = [P.ModelCard(id=name, root=serving.model_path, max_model_len=engine.max_model_len,
