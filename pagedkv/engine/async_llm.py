@@ -201,9 +201,8 @@ class AsyncLLM:
                 "tokens. Please reduce the length of the input prompt or the number of requested output tokens.",
                 "input_tokens")
         if max_tokens is None:  # the room left, at most the generation config's max_new_tokens (get_max_tokens)
-            self.llm.get_default_sampling_params()  # reads the config once
-            configured = (self.llm.default_sampling_params or {}).get("max_tokens")
-            max_tokens = min(self.max_model_len - n, configured if configured is not None else self.max_model_len)
+            configured = self.llm.get_diff_sampling_param().get("max_tokens")
+            max_tokens = self.max_model_len - n if configured is None else min(self.max_model_len - n, configured)
         if max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
         vocab = self.llm.model.config.vocab_size

@@ -87,6 +87,11 @@ def check_architecture(config: Any) -> None:
 USAGE_CONTEXTS = ("LLM_CLASS", "OPENAI_API_SERVER")
 
 
+def _check_usage_context(usage_context: object) -> None:
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
+
+
 def batch_defaults(device: torch.device, world_size: int = 1,
                    usage_context: str = "LLM_CLASS") -> tuple[int, int]:
     """``(max_num_batched_tokens, max_num_seqs)`` when neither is given: vLLM 0.26's
@@ -95,8 +100,7 @@ def batch_defaults(device: torch.device, world_size: int = 1,
     on a CPU. The server: 8,192 and 1,024, then 2,048 and 256, then 2,048 and 128 per worker on a CPU.
     ``world_size`` (the tensor-parallel ranks) multiplies the CPU's figures only, as in vLLM."""
     world_size = check_int(world_size, "world_size", 1)
-    if usage_context not in USAGE_CONTEXTS:
-        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
+    _check_usage_context(usage_context)
     server = usage_context == "OPENAI_API_SERVER"
     if device.type != "cuda":
         return (2048 if server else 4096) * world_size, (128 if server else 256) * world_size
@@ -244,8 +248,7 @@ class LLM:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if attn_backend is not None and attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS} or None, got {attn_backend!r}")
-        if usage_context not in USAGE_CONTEXTS:
-            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
+        _check_usage_context(usage_context)  # before the model loads (batch_defaults checks it again after)
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' (vLLM's "
                              f"neutral ones), got {generation_config!r}")
@@ -555,8 +558,16 @@ class LLM:
         ``top_k``, ``top_p``, ``max_new_tokens`` as ``max_tokens``) unless the engine was made with
         ``generation_config="vllm"``. The lab has no repetition penalty and no ``min_p``: a config that sets them
         to anything but 1 and 0 gets a warning naming them (where vLLM would apply them, the lab samples without),
-        once per engine. Reads the config once and keeps it (``self.default_sampling_params``). Mirrors
+        once per engine (:meth:`get_diff_sampling_param` reads the config once). Mirrors
         ``LLM.get_default_sampling_params`` (``vllm/entrypoints/llm.py``)."""
+        return SamplingParams(**{k: v for k, v in self.get_diff_sampling_param().items()
+                                 if k not in _UNSERVED_NEUTRAL})
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The sampling fields the model's generation config sets (:func:`diff_sampling_params`; ``{}`` with
+        ``generation_config="vllm"``), read on first use and kept in ``self.default_sampling_params``; the server
+        fills a request's omitted fields from it. Mirrors ``ModelConfig.get_diff_sampling_param``
+        (``vllm/config/model.py``), which vLLM's ``LLM`` and serving classes keep the same way."""
         if self.default_sampling_params is None:
             source = None if self.generation_config == "vllm" else getattr(self.model, "generation_config", None)
             self.default_sampling_params = diff_sampling_params(source)
@@ -564,8 +575,8 @@ class LLM:
                        if k in _UNSERVED_NEUTRAL and v != _UNSERVED_NEUTRAL[k]}
             if ignored:
                 warnings.warn(f"the model's generation config sets {ignored}, which the lab's sampler does not "
-                              "implement: sampling without them (vLLM applies them)", stacklevel=2)
-        return SamplingParams(**{k: v for k, v in self.default_sampling_params.items() if k not in _UNSERVED_NEUTRAL})
+                              "implement: sampling without them (vLLM applies them)", stacklevel=3)
+        return self.default_sampling_params
 
     def generate(
         self,

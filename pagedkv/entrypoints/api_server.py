@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import io
 import json
 import socket
@@ -256,15 +257,15 @@ class OpenAIServing:
 
     def sampling_params(self, request: P._SamplingFields, max_tokens: int) -> SamplingParams:
         """vLLM's ``to_sampling_params``: a field the request leaves out is the engine's default
-        (``default_sampling_params``: the model's generation config, else temperature 1, top_p 1, top_k 0 = no
-        limit; :meth:`LLM.get_default_sampling_params`)."""
-        default = self.engine.llm.get_default_sampling_params()
+        (``default_sampling_params``: the model's generation config, :meth:`LLM.get_diff_sampling_param`, else
+        temperature 1, top_p 1, top_k 0 = no limit)."""
+        default = self.engine.llm.get_diff_sampling_param()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, n=request.n,
-                temperature=default.temperature if request.temperature is None else request.temperature,
-                top_p=default.top_p if request.top_p is None else request.top_p,
-                top_k=default.top_k if request.top_k is None else request.top_k,
+                temperature=default.get("temperature", 1.0) if request.temperature is None else request.temperature,
+                top_p=default.get("top_p", 1.0) if request.top_p is None else request.top_p,
+                top_k=default.get("top_k", 0) if request.top_k is None else request.top_k,
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
                 ignore_eos=request.ignore_eos,
             )
@@ -472,17 +473,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                                 status_code=503)
         return Response(status_code=200)
 
+    try:  # read once: the installed package's version
+        lab_version = importlib.metadata.version("pagedkv-lab")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        lab_version = "unknown"
+
     @app.get("/version")
     async def show_version() -> JSONResponse:
         """The server's version, as vLLM's ``show_version`` (``vllm/entrypoints/serve/instrumentator/basic.py``)
         reports vLLM's: here the lab's package."""
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            ver = version("pagedkv-lab")
-        except PackageNotFoundError:  # run from a checkout that was never installed
-            ver = "unknown"
-        return JSONResponse({"version": ver})
+        return JSONResponse({"version": lab_version})
 
     @app.get("/v1/models")
     async def show_available_models() -> JSONResponse:
