@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedkv.attention import check_sliding_window
-from pagedkv.utils import check_int
+from pagedkv.utils import cdiv, check_int
 
 from ._common import (
     LOG2E,
@@ -181,7 +181,7 @@ def paged_prefill_attention(
         # A packed batch of T tokens in B sequences has its longest query in cdiv(T, B)..T (0 when T == 0): a
         # smaller value would leave rows of ``out`` unwritten. vLLM 0.26's ``unified_attention`` trusts its
         # ``max_seqlen_q``; the lab refuses what it can check without reading query_start_loc.
-        least = -(-num_tokens // batch) if batch and num_tokens else 0
+        least = cdiv(num_tokens, batch) if batch and num_tokens else 0
         max_query_len = check_int(max_query_len, "max_query_len", least, num_tokens,
                                   why=f"the longest sequence's new tokens, for {num_tokens} tokens in {batch} "
                                   "sequences")

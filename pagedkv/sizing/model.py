@@ -100,11 +100,11 @@ def model_shape(config: Any) -> ModelShape:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         hidden_size=hidden,
-        intermediate_size=int(intermediate),
-        vocab_size=int(vocab),
+        intermediate_size=intermediate,
+        vocab_size=vocab,
         tie_word_embeddings=bool(_config_get(config, "tie_word_embeddings", False)),
         dtype=_config_dtype(config),
-        max_position_embeddings=None if max_pos is None else int(max_pos),
+        max_position_embeddings=max_pos,
     )
 
 

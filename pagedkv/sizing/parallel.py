@@ -195,9 +195,8 @@ def unify_num_blocks(per_rank_blocks: Sequence[int]) -> int:
     """The pool's block count: the smallest any rank can hold (every block id the scheduler hands out must
     exist on every rank). Mirrors the last step of ``get_kv_cache_configs`` (``vllm/v1/core/kv_cache_utils.py``,
     which once lived in ``unify_kv_cache_configs``). ``ValueError`` on an empty list or a count below 0."""
-    if isinstance(per_rank_blocks, (str, bytes)) or not isinstance(per_rank_blocks, Iterable):
-        raise ValueError(f"give each rank's block count (ints >= 0), got {per_rank_blocks!r}")
-    counts = list(per_rank_blocks)
+    iterable = not isinstance(per_rank_blocks, (str, bytes)) and isinstance(per_rank_blocks, Iterable)
+    counts = list(per_rank_blocks) if iterable else []
     if not counts:
         raise ValueError(f"give each rank's block count (ints >= 0), got {per_rank_blocks!r}")
     for c in counts:
