@@ -311,17 +311,6 @@ def unknown_exercises(zip_path: Path, only: Iterable[str]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ grading
-def _first_failure(message: str) -> str:
-    """The learner-facing line of otter's failure text: the exception, without otter's line-number frame."""
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    for i, ln in enumerate(lines):
-        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b.*?:", ln) or re.match(
-            r"^[A-Za-z_][\w.]*(Error|Exception)$", ln
-        ):
-            return " ".join([ln] + lines[i + 1 :])
-    return " ".join(ln for ln in lines if not ln.startswith(("❌", "Error at line"))) or "failed"
-
-
 def _clean_message(message: str) -> str:
     """A test case's failure as the learner should read it: otter's "Error at line N in test ..." frame and a
     leading "AssertionError:" removed, whitespace folded."""

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CaseOutcome", "CheckResult", "CheckSummary", "Checks", "Exercise", "SetInfo", "load_set", "run_test_file"]
+from pagedkv.grading import build
+from pagedkv.grading.build import QUESTIONS_FILE
 
-#: The autograder zip's description of the set (written by :mod:`pagedkv.grading.build`).
-QUESTIONS_FILE = "questions.json"
+__all__ = ["CaseOutcome", "CheckResult", "CheckSummary", "Checks", "Exercise", "SetInfo", "load_set", "run_test_file"]
 
 
 @dataclass
@@ -216,9 +216,7 @@ def _from_notebook(path: Path, set_name: str) -> SetInfo | None:
 
 def load_set(set_name: str) -> SetInfo:
     """The set's exercises and tests: from its autograder zip, else from the notebook's own metadata."""
-    from pagedkv.grading.build import repo_root
-
-    zip_path = repo_root() / "grading" / "autograder" / f"{set_name}.zip"
+    zip_path = build.repo_root() / "grading" / "autograder" / f"{set_name}.zip"
     if zip_path.is_file():
         return _from_zip(zip_path, set_name)
     for candidate in _notebook_candidates(set_name):

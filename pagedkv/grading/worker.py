@@ -50,58 +50,19 @@ from typing import Any
 from pagedkv.grading.limits import DEFAULT_LIMITS, Limits
 from pagedkv.grading.plain import CASE_MESSAGE, LEARNER_TEXT, cap_text, from_learner
 
-__all__ = ["CELL_KEY", "defined_names", "error_text", "load_tests", "main", "notebook_cells", "number_cells"]
+__all__ = ["defined_names", "load_tests", "main", "notebook_cells"]
 
-#: The metadata key holding a cell's number (1-based, every cell counted) in older reports.
-CELL_KEY = "pagedkv_cell"
 #: The longest heading a message names a cell by (characters): the notebook's markdown is the learner's text.
 SECTION = 120
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _DEFINES = re.compile(r"^(?:async\s+def|def|class)\s+([A-Za-z_]\w*)|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
 _CHECK_NAMES = {"grader", "otter", "Checks"}
-
-
-def number_cells(notebook: str) -> bool:
-    """Write each cell's number (1-based) into its metadata, under :data:`CELL_KEY`, in place; False (and the
-    file untouched) when the file is not a readable v4 notebook."""
-    try:
-        with open(notebook, encoding="utf-8") as f:
-            nb = json.load(f)
-        cells = nb["cells"]
-        for i, cell in enumerate(cells):
-            meta = cell.setdefault("metadata", {})
-            if not isinstance(meta, dict):
-                return False
-            meta[CELL_KEY] = i + 1
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-    with open(notebook, "w", encoding="utf-8") as f:
-        json.dump(nb, f)
-    return True
 
 
 def defined_names(source: str) -> list[str]:
     """The names a cell defines at its top level (``def``, ``class``, ``name = ...``), found by pattern so that
     a cell that does not parse still has them."""
     return sorted({m.group(1) or m.group(2) for m in _DEFINES.finditer(source)})
-
-
-def error_text(output: dict[str, Any]) -> str:
-    """``SyntaxError: invalid syntax (line 3)`` from a Jupyter error output: the exception and the line of the
-    cell where it happened (IPython's file names such as ``3918070085.py`` left out)."""
-    ename = str(output.get("ename") or "Exception")
-    evalue = " ".join(str(output.get("evalue") or "").split())
-    m = re.search(r"\s*\((?:[^()]*\.py|<[^<>]*>), line (\d+)\)$", evalue)
-    line = None
-    if m:
-        evalue, line = evalue[: m.start()], m.group(1)
-    else:
-        frames = _ANSI.sub("", "\n".join(str(t) for t in output.get("traceback") or []))
-        first = re.search(r"Cell In\[\d+\], line (\d+)", frames)
-        line = first.group(1) if first else None
-    text = f"{ename}: {evalue[:200]}" if evalue else ename
-    return text + (f" (line {line})" if line else "")
 
 
 # ------------------------------------------------------------------------------------------ the notebook
