@@ -699,3 +699,15 @@ def test_hf_overrides_and_kv_cache_memory_bytes_size_the_engine():
     for bad in ('[1]', '{"num_hidden_layers": 1'):
         with pytest.raises(ValueError):
             build_engine(make_arg_parser().parse_args(["tiny", "--hf-overrides", bad]))
+
+
+def test_a_missing_local_model_folder_and_bad_overrides_are_named():
+    """``pagedkv serve ./nowhere`` said what Hugging Face says of a malformed repo id; ``--hf-overrides '{bad'``
+    printed the JSON parser's text without naming the flag."""
+    for path in ("/nonexistent/model", "./no-such-model", "../no-such-model"):
+        with pytest.raises(ValueError, match="no such folder"):
+            LLM(path)
+        with pytest.raises(ValueError, match="no such folder"):
+            build_engine(make_arg_parser().parse_args([path]))
+    with pytest.raises(ValueError, match=r"^--hf-overrides is not valid JSON \("):
+        build_engine(make_arg_parser().parse_args(["tiny", "--hf-overrides", "{bad"]))

@@ -22,6 +22,7 @@ import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -405,6 +406,9 @@ class LLM:
             return model.eval(), tokenizer
         if not isinstance(model, str):
             raise ValueError(f"model must be a Hugging Face id, a local path or a loaded model, got {type(model)}")
+        if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
+            raise ValueError(f"model {model!r}: no such folder (a Hugging Face id, such as 'Qwen/Qwen3-0.6B', "
+                             "does not start with '/', '.' or '~')")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         check_architecture(AutoConfig.from_pretrained(model))

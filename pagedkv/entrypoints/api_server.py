@@ -620,7 +620,11 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
     """The engine the flags describe, and the model's name for the API."""
     from pagedkv.engine.llm import LLM
 
-    overrides = json.loads(args.hf_overrides) if args.hf_overrides else {}
+    try:
+        overrides = json.loads(args.hf_overrides) if args.hf_overrides else {}
+    except ValueError as exc:
+        raise ValueError(f"--hf-overrides is not valid JSON ({exc}): give an object, such as "
+                         "'{\"num_hidden_layers\": 8}'") from None
     if not isinstance(overrides, dict):
         raise ValueError(f"--hf-overrides must be a JSON object, got {args.hf_overrides!r}")
     device = None
