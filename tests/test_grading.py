@@ -760,6 +760,21 @@ def test_build_check_fails_when_a_generated_file_is_stale(tmp_path):
     assert again.returncode == 0, again.stdout
 
 
+def test_build_check_names_a_notebook_with_answers_as_such(tmp_path):
+    """``--check`` on a learner's notebook with answers in it said "stale; run ./lab exercises", and that command
+    then refused to write: it says the notebook has changes of its own, as the rebuild does."""
+    from pagedkv.grading.build import build_all
+
+    for rel in ("grading/source", "grading/autograder", "exercises", "solutions"):
+        shutil.copytree(ROOT / rel, tmp_path / rel)
+    make_variant(tmp_path / "exercises", GOOD, [])  # exercises/01_fragmentation.ipynb, answered
+    lines: list[str] = []
+    assert build_all(tmp_path, [FRAG], check=True, echo=lines.append) == 1
+    text = "\n".join(lines)
+    assert "changes of their own" in text and f"exercises/{FRAG}.ipynb" in text, text
+    assert "stale" not in text, text
+
+
 def test_generated_exercises_are_clean():
     """Committed learner notebooks carry no outputs; every set has its three generated files."""
     for name in SETS:

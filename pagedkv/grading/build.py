@@ -386,16 +386,22 @@ def build_all(root: Path | None = None, names: list[str] | None = None, *, check
         for rel, data in built.files.items():
             path = root / rel
             current = path.read_bytes() if path.is_file() else None
+            own = current is not None and rel.endswith(".ipynb") and (
+                last.get(rel) != hashlib.sha256(current).hexdigest())
             if current == data:
                 plan.append((rel, None))
-            elif check:
+            elif check and not own:
                 stale.append(rel + ("" if current is not None else " (missing)"))
             else:
-                if current is not None and rel.endswith(".ipynb") and (
-                        last.get(rel) != hashlib.sha256(current).hexdigest()):
+                if own:
                     changed.append(rel)
                 plan.append((rel, data))
-    if changed and not force:
+    if changed and check:
+        echo("These notebooks have changes of their own (your answers, or the notebook was opened and saved): they "
+             "differ from what the last build wrote, and `./lab exercises` would not replace them without --force:")
+        for rel in changed:
+            echo(f"  {rel}")
+    if changed and not force and not check:
         echo("Not rebuilding: these notebooks have changes of their own (your answers, or the notebook was "
              "opened and saved), and a rebuild would replace them:")
         for rel in changed:
@@ -420,6 +426,8 @@ def build_all(root: Path | None = None, names: list[str] | None = None, *, check
     orphans = [] if names else _orphans(root, {s.stem for s in sources})
     if check:
         problems = stale + [f"{o} (no grading/source/{Path(o).stem}.ipynb)" for o in orphans]
+        if changed and not problems:
+            return 1
         if problems:
             echo("Generated exercise files are stale; run `./lab exercises` (pagedkv build-exercises):")
             for p in problems:
