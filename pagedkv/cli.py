@@ -40,9 +40,9 @@ def _repo_root() -> Path:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from pagedkv.grading.grade import UnknownExercise, format_table, grade_paths, report_json
+    from pagedkv.grading.grade import UnknownExercise, display_path, format_table, grade_paths, report_json
     from pagedkv.grading.limits import Limits
-    from pagedkv.grading.output import write_replacing
+    from pagedkv.grading.output import escape_controls, write_replacing
     from pagedkv.grading.sandbox import bwrap_problem
 
     root = _repo_root()
@@ -102,8 +102,9 @@ def _cmd_grade(args: argparse.Namespace) -> int:
 
     def progress(result) -> None:
         if not args.quiet:
-            print(f"graded {result.notebook}: {result.score:g}/{result.possible:g} ({result.status}, "
-                  f"{result.seconds:.0f} s)", file=sys.stderr, flush=True)
+            shown = escape_controls(display_path(result.notebook))  # as the table shows it
+            print(f"graded {shown}: {result.score:g}/{result.possible:g} ({result.status}, {result.seconds:.0f} s)",
+                  file=sys.stderr, flush=True)
 
     try:
         results, problems = grade_paths(paths, autograder_dir=autograder_dir, limits=limits,
@@ -123,6 +124,11 @@ def _cmd_grade(args: argparse.Namespace) -> int:
 
         rows = class_rows(results, args.class_folder)
         print("\n" + learner_totals(rows))
+        loose = sorted({str(r["learner"]) for r in rows if str(r["learner"]).startswith("./")})
+        if loose:
+            print(f"pagedkv grade: {', '.join(loose)} fit neither layout of a class folder (FOLDER/<learner>/"
+                  "NN_name.ipynb or FOLDER/NN_name-<learner>.ipynb), so each is listed as a learner of its own: "
+                  "rename and grade again", file=sys.stderr)
         if args.csv:
             write_csv(rows, args.csv)
     elif results:
@@ -131,12 +137,18 @@ def _cmd_grade(args: argparse.Namespace) -> int:
                   "as one learner's; to grade a class, one row per learner: ./lab grade --class FOLDER --csv FILE",
                   file=sys.stderr)
         if not args.no_progress and only is None:  # a grade of some exercises is not the set's score
-            from pagedkv.grading.progress import record_progress
+            from pagedkv.grading.progress import is_learners_own, record_progress
 
             try:
                 record_progress(results)  # the notebooks in exercises/ only
             except OSError as exc:  # a read-only checkout: the grades above still stand
                 print(f"pagedkv grade: could not record progress: {exc}", file=sys.stderr)
+            elsewhere = [r for r in results if not is_learners_own(r.notebook)]
+            if elsewhere:
+                what, it = ("this notebook is", "it") if len(elsewhere) == 1 else \
+                    (f"{len(elsewhere)} of these notebooks are", "them")
+                print(f"pagedkv grade: {what} not in exercises/, so the course index's progress table leaves "
+                      f"{it} out (it counts your own notebooks there only)", file=sys.stderr)
     if not results:
         print("pagedkv grade: nothing was graded", file=sys.stderr)
         return 2

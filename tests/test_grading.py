@@ -731,6 +731,26 @@ def test_grade_without_an_autograder_says_so(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_grade_says_when_a_notebook_is_left_out_of_progress_or_of_a_class_layout(tmp_path):
+    """A notebook graded outside exercises/ is not counted by the course index's progress table, and a class
+    folder's file that fits neither layout is listed as a learner of its own: both said so only in the docs."""
+    copy = tmp_path / "mine" / f"{FRAG}.ipynb"
+    copy.parent.mkdir()
+    shutil.copy(ROOT / "exercises" / f"{FRAG}.ipynb", copy)
+    proc = subprocess.run(_pagedkv("grade", str(copy)), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "not in exercises/, so the course index's progress table leaves it out" in proc.stderr, proc.stderr
+    assert "graded mine/01_fragmentation.ipynb: 0/12" in proc.stderr  # relative, as the table shows it
+    klass = tmp_path / "class"
+    klass.mkdir()
+    shutil.copy(ROOT / "exercises" / f"{FRAG}.ipynb", klass / f"{FRAG}_alice.ipynb")
+    proc = subprocess.run(_pagedkv("grade", "--class", str(klass), "--csv", str(tmp_path / "c.csv")),
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"./{FRAG}_alice.ipynb fit neither layout of a class folder" in proc.stderr, proc.stderr
+    assert "progress table" not in proc.stderr
+
+
 # --------------------------------------------------------------------------------------------- build
 @pytest.mark.slow
 def test_build_check_passes_on_committed_files():

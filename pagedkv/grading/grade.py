@@ -57,6 +57,7 @@ __all__ = [
     "UnknownExercise",
     "NotebookResult",
     "find_autograder",
+    "display_path",
     "find_notebooks",
     "format_table",
     "grade_notebook",
@@ -574,7 +575,7 @@ def _fmt_points(x: float) -> str:
     return f"{x:g}"
 
 
-def _display_path(path: str) -> str:
+def display_path(path: str) -> str:
     """The path relative to the working folder when it is inside it, else as given (a symlink's own path, never
     its target's)."""
     try:
@@ -593,7 +594,7 @@ def format_table(results: list[NotebookResult], message_width: int | None = None
     whole (its hint is the point of it), unless ``message_width`` asks for a cut."""
     rows = [("notebook", "exercise", "points", "status", "first failure")]
     for r in results:
-        name = escape_controls(_display_path(r.notebook))
+        name = escape_controls(display_path(r.notebook))
         for e in r.exercises:
             rows.append((name, e.name, f"{_fmt_points(e.score)}/{_fmt_points(e.possible)}", e.status,
                          _clip(e.message, message_width)))

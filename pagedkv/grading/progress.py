@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROGRESS_FILE", "Progress", "find_this_notebook", "grade_notebook_here", "progress_table",
-           "record_progress"]
+__all__ = ["PROGRESS_FILE", "Progress", "find_this_notebook", "grade_notebook_here", "is_learners_own",
+           "progress_table", "record_progress"]
 
 #: Where the progress is kept, relative to the repository root (``.gitignore`` lists ``.pagedkv/``).
 PROGRESS_FILE = Path(".pagedkv") / "progress.json"
@@ -43,11 +43,10 @@ def record_progress(results: list[Any], *, root: Path | None = None, now: float 
     ``solutions/``, in a class folder graded as one learner (``./lab grade submissions/``) or anywhere else would
     put someone else's score in the learner's table, so it is skipped."""
     root = (root or _root()).resolve()
-    exercises = (root / "exercises").resolve()
     entries = {}
     for r in results:
         name = _set_name(r.autograder)
-        if not name or r.possible <= 0 or Path(r.notebook).resolve().parent != exercises:
+        if not name or r.possible <= 0 or not is_learners_own(r.notebook, root):
             continue
         entries[name] = {
             "notebook": str(r.notebook), "score": r.score, "possible": r.possible, "status": r.status,
@@ -65,6 +64,12 @@ def record_progress(results: list[Any], *, root: Path | None = None, now: float 
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def is_learners_own(notebook: str | Path, root: Path | None = None) -> bool:
+    """Whether ``notebook`` is one the progress table counts: directly in the repository's ``exercises/``."""
+    root = (root or _root()).resolve()
+    return Path(notebook).resolve().parent == (root / "exercises").resolve()
 
 
 def _read(path: Path) -> dict:
