@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.benchmarks.provenance import git_commit
+from pagedkv.utils.paths import output_path_problem
 
 from . import _common
 from .bench_cases import (  # noqa: F401 - re-exported: the benchmark's names as before the split
@@ -67,7 +68,15 @@ from .bench_cases import (  # noqa: F401 - re-exported: the benchmark's names as
     bench_prefill,
     host_overhead_us,
 )
-from .bench_report import INTERPRETER_LABEL, _device_name, _slug, plot, plot_prefill, table  # noqa: F401
+from .bench_report import (  # noqa: F401
+    INTERPRETER_LABEL,
+    _device_name,
+    _slug,
+    host_cost_table,
+    plot,
+    plot_prefill,
+    table,
+)
 from .bench_timing import (  # noqa: F401
     decode_bytes,
     decode_flops,
@@ -144,7 +153,7 @@ def default_out_dir(mode: str, device_name: str, date: str) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pagedkv.kernels.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="pagedkv bench kernels", description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="tiny shapes (default without a GPU)")
     size.add_argument("--quick", action="store_true", help="four decode shapes in bf16, two prefill, fp8 (<= 2 min)")
@@ -183,6 +192,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bf16 needs a GPU: Triton's interpreter has no bfloat16")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     out_dir = args.out if args.out is not None else default_out_dir(mode, _device_name(device), date)
+    problem = output_path_problem(folders={"--out" if args.out is not None else "the default folder": out_dir})
+    if problem:  # one line, before the run (a traceback from mkdir, or the JSON lost after it, otherwise)
+        print(f"pagedkv bench kernels: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "tiny-interpreter":
         print(INTERPRETER_LABEL)
@@ -206,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print()
     print(table(result))
-    print(f"\nhost cost per call (us): {result['host_overhead_us']}")
+    print(f"\n{host_cost_table(result['host_overhead_us'])}")
     json_path = out_dir / "bench.json"
     json_path.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {json_path} ({result['meta']['seconds']} s)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -36,6 +37,21 @@ def table(result: dict) -> str:
         graph = "-" if r["graph_ms"] is None else f"{r['graph_ms']:.4f}"
         lines.append(f"{r['dtype']:>5} {r['batch']:>5} {r['context']:>7} {r['impl']:<16} {r['eager_ms']:>10.4f} "
                      f"{graph:>10} {r['GBps']:>8.3g} {r['pct_read_bw']:>6.3g}%")
+    return "\n".join(lines)
+
+
+def host_cost_table(host: dict) -> str:
+    """The host cost per call (``result["host_overhead_us"]``, microseconds) as a short table: one row per call,
+    its batch, context and decode version read from the key (``dispatch_B1_L512_v4``), the method in the title."""
+    title = "host cost per call" + (f" ({host['method']})" if host.get("method") else "") + ":"
+    lines = [title, f"  {'call':<26} {'batch':>5} {'context':>7} {'us/call':>8}"]
+    for key, us in host.items():
+        if key == "method":
+            continue
+        m = re.fullmatch(r"(\w+?)_B(\d+)_L(\d+)(?:_v(\d+))?", key)
+        name, batch, ctx = (m.group(1) + (f" (v{m.group(4)})" if m.group(4) else ""), m.group(2), m.group(3)) if m \
+            else (key.replace("_", " ").replace("cpu", "CPU"), "-", "-")
+        lines.append(f"  {name:<26} {batch:>5} {ctx:>7} {us:>8.1f}")
     return "\n".join(lines)
 
 

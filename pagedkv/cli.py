@@ -21,7 +21,7 @@ from pathlib import Path
 #: Benchmarks that ``pagedkv bench`` runs: name -> module run with ``python -m``. Each module prints its own
 #: table (and may save a plot); add yours here.
 BENCHMARKS: dict[str, str] = {
-    "fragmentation": "pagedkv.fragmentation",  # lesson 1: the card's example and the block-size sweep
+    "fragmentation": "pagedkv.benchmarks.fragmentation",  # lesson 1: the card's example and the block-size sweep
     "block_pool": "pagedkv.benchmarks.block_pool",  # lesson 2: is the free-block queue O(1)?
     "prefix_cache": "pagedkv.benchmarks.prefix_cache",  # lesson 3: lookup and hashing cost
     "scheduling": "pagedkv.sim.targets",  # lesson 4: waste and concurrency on the simulator

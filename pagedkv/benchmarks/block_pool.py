@@ -401,7 +401,7 @@ def _size(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pagedkv.benchmarks.block_pool",
+        prog="pagedkv bench block_pool",
         description="Time allocate+free and cache-hit removal on the free-block queue vs a list and a deque.",
     )
     parser.add_argument("--sizes", type=_size, nargs="+", default=list(DEFAULT_SIZES), help="pool sizes, blocks")

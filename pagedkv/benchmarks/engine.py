@@ -62,6 +62,7 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -72,6 +73,7 @@ from typing import Any
 import torch
 
 from pagedkv.benchmarks.provenance import cpu_model, git_commit
+from pagedkv.utils.paths import output_path_problem
 
 IMPLS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "pagedkv")
 
@@ -634,7 +636,7 @@ def plot(result: dict[str, Any], path: str | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="pagedkv bench engine", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="FILE", help='write {"rows": [...], "config": {...}} to FILE')
     parser.add_argument("--plot", metavar="FILE", help="save the bar chart to FILE (PNG)")
     size = parser.add_mutually_exclusive_group()
@@ -667,10 +669,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.vocab < 2:
             parser.error("--vocab must be at least 2")
         cfg.vocab_size = args.vocab
+    keep = args.out or (default_run and not args.json and not args.impls)  # kept, outside the tracked files
+    problem = output_path_problem(  # before minutes of work, not after
+        files={"--json": args.json, "--plot": args.plot},
+        folders={"--out": args.out} if args.out else {"the default folder": DEFAULT_FOLDER} if keep else {})
+    if problem:
+        print(f"pagedkv bench engine: {problem}", file=sys.stderr)
+        return 2
     result = run(cfg)
     print(format_table(result))
     json_path, plot_path = args.json, args.plot
-    if args.out or (default_run and not json_path and not args.impls):  # kept, outside the tracked files
+    if keep:
         folder = Path(args.out) if args.out else default_results_folder(result)
         folder.mkdir(parents=True, exist_ok=True)
         name = "engine" if args.vocab is None else f"engine_vocab{cfg.vocab_size}"
@@ -690,7 +699,11 @@ def default_results_folder(result: dict[str, Any]) -> Path:
     JSON without ``--out``. Git ignores ``artifacts/``, so a plain ``./lab bench`` changes no tracked file;
     a run under ``benchmarks/results/cpu/`` is committed on purpose (``--out``), with a README."""
     c = result["config"]
-    return Path("artifacts") / "bench_engine" / f"{c['date'][:10]}-{c['cpu_count']}core"
+    return Path(DEFAULT_FOLDER) / f"{c['date'][:10]}-{c['cpu_count']}core"
+
+
+#: Where :func:`default_results_folder` puts the default run's folders.
+DEFAULT_FOLDER = "artifacts/bench_engine"
 
 
 if __name__ == "__main__":

@@ -207,7 +207,7 @@ def format_table(result: PrefixCacheBenchResult) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pagedkv.benchmarks.prefix_cache",
+        prog="pagedkv bench prefix_cache",
         description="Time prefix-cache lookups (get_computed_blocks) and block hashing (builtin vs sha256).",
     )
     parser.add_argument("--prompt-tokens", type=int, default=4096)

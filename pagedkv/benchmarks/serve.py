@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.benchmarks.provenance import cpu_model, git_commit
+from pagedkv.utils.paths import output_path_problem
 from pagedkv.utils.validation import check_int, is_real
 
 #: ShareGPT's lengths as the PagedAttention paper reports them (table 1 / figure 11): mean input 161.31 and
@@ -267,13 +268,22 @@ async def benchmark(base_url: str, model: str, requests: list[SampleRequest], ra
     summary = calculate_metrics(list(results), duration)
     key = "vllm:num_preemptions_total"
     summary["num_preemptions"] = int(after.get(key, 0) - before.get(key, 0))
-    running = [s["running"] for s in series]
-    summary["mean_running"] = float(np.mean(running)) if running else 0.0
-    summary["max_running"] = float(np.max(running)) if running else 0.0
+    summary.update(running_stats(series))
     summary["max_kv_cache_usage"] = float(max((s["kv_cache_usage"] for s in series), default=0.0))
     summary["request_rate"] = "inf" if math.isinf(rate) else rate
     summary["timeseries"] = series
     return summary
+
+
+def running_stats(series: list[dict[str, float]]) -> dict[str, float]:
+    """``max_running`` and ``mean_running``, the running batch over the ``/metrics`` samples of a run; NaN (shown
+    as "-") when no sample saw a request on the server (none running or waiting): a run shorter than ``--poll``
+    is over before its first sample, or sampled only at its start, before the requests reached the scheduler,
+    and 0 would then say that nothing ran."""
+    if not any(s["running"] or s["waiting"] for s in series):
+        return {"max_running": math.nan, "mean_running": math.nan}
+    running = [s["running"] for s in series]
+    return {"max_running": float(np.max(running)), "mean_running": float(np.mean(running))}
 
 
 async def compare(bases: dict[str, str], model: str, requests: list[SampleRequest], rates: Sequence[float],
@@ -305,7 +315,8 @@ _RUN_KEYS = ("mode", "request_rate", "errors", "timeseries")
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (mode, rate), in first-seen order: the median over its repetitions of every numeric figure,
+    """One row per (mode, rate), in first-seen order: the median over its repetitions of every numeric figure
+    (over those that measured it: NaN, no figure, only where none did),
     ``KEY_min`` and ``KEY_max`` for :data:`SPREAD_KEYS`, ``repeats``, and the time series of the last repetition.
     The median of a few short runs reads right where one long run can be thrown by a burst of load; the min-max
     range shows how far the repetitions disagreed. ``ValueError`` names a run that is not one of
@@ -325,6 +336,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key, value in rs[0].items():
             if key not in row and key != "repeat" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 values = [float(r[key]) for r in rs]
+                values = [v for v in values if not math.isnan(v)] or [math.nan]  # NaN: not measured in that run
                 row[key] = float(np.median(values))
                 if key in SPREAD_KEYS:
                     row[f"{key}_min"], row[f"{key}_max"] = min(values), max(values)
@@ -439,26 +451,36 @@ def launched_servers(model: str, server_args: dict[str, Sequence[str]], timeout:
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
+    """One line per run (or per :func:`aggregate` row); latencies in ms, "-" where there is no figure (no
+    completed request; no ``/metrics`` sample that saw the load, with a note under the table)."""
     cols = [("mode", "mode", "{}"), ("rate", "request_rate", "{}"), ("req/s", "request_throughput", "{:.2f}"),
-            ("out tok/s", "output_throughput", "{:.1f}"), ("TTFT med", "median_ttft_ms", "{:.0f}"),
-            ("TTFT p99", "p99_ttft_ms", "{:.0f}"), ("TPOT med", "median_tpot_ms", "{:.1f}"),
-            ("ITL med", "median_itl_ms", "{:.1f}"), ("ITL p99", "p99_itl_ms", "{:.1f}"),
+            ("out tok/s", "output_throughput", "{:.1f}"), ("TTFT med (ms)", "median_ttft_ms", "{:.0f}"),
+            ("TTFT p99 (ms)", "p99_ttft_ms", "{:.0f}"), ("TPOT med (ms)", "median_tpot_ms", "{:.1f}"),
+            ("ITL med (ms)", "median_itl_ms", "{:.1f}"), ("ITL p99 (ms)", "p99_itl_ms", "{:.1f}"),
             ("preempt", "num_preemptions", "{:g}"), ("run max", "max_running", "{:.0f}"),
             ("run mean", "mean_running", "{:.1f}"), ("fail", "failed", "{:g}")]
     if runs and "request_throughput_min" in runs[0]:  # aggregated repetitions: the median, then its range
         cols[3:3] = [("req/s range", "request_throughput", "range:{:.2f}")]
-        cols[6:6] = [("TTFT med range", "median_ttft_ms", "range:{:.0f}")]
+        cols[6:6] = [("TTFT med range (ms)", "median_ttft_ms", "range:{:.0f}")]
         cols.insert(2, ("reps", "repeats", "{}"))
+
+    def figure(f: str, value: Any) -> str:
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f.format(value)
 
     def cell(r: dict[str, Any], key: str, fmt: str) -> str:
         if fmt.startswith("range:"):
             f = fmt.removeprefix("range:")
-            return f"{f.format(r[key + '_min'])}-{f.format(r[key + '_max'])}"
-        return fmt.format(r.get(key, ""))
+            lo, hi = figure(f, r[key + "_min"]), figure(f, r[key + "_max"])
+            return lo if lo == hi == "-" else f"{lo}-{hi}"
+        return figure(fmt, r.get(key))
 
     rows = [[h for h, _, _ in cols]] + [[cell(r, k, f) for _, k, f in cols] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    if any(math.isnan(r.get("max_running", 0.0)) for r in runs):
+        lines.append('run max / run mean "-": no /metrics sample saw a request on the server (the run was over '
+                     "within --poll seconds of its start); a smaller --poll samples it")
+    return "\n".join(lines)
 
 
 def _spread(rows: list[dict[str, Any]], key: str) -> list[list[float]]:
@@ -565,8 +587,35 @@ def _version(package: str) -> str | None:
 def _model_info(base_url: str) -> tuple[str, int]:
     import httpx
 
-    card = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
-    return card["id"], int(card["max_model_len"])
+    r = httpx.get(f"{base_url}/v1/models", timeout=30)
+    try:
+        card = r.json()["data"][0]
+        return card["id"], int(card["max_model_len"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"{base_url}/v1/models answered HTTP {r.status_code} without a model card (id, "
+                           "max_model_len): is it `pagedkv serve` or `vllm serve`?") from None
+
+
+def _unreachable(base_url: str | None, exc: Exception) -> str:
+    """One line for an ``httpx`` transport error: which server could not be reached, and why, in words."""
+    import httpx
+
+    if base_url is None:  # a launched server that went away: the URL the request was for
+        try:
+            url = exc.request.url
+            base_url = f"{url.scheme}://{url.netloc.decode()}"
+        except (AttributeError, RuntimeError):  # httpx raises RuntimeError for an error without its request
+            base_url = "the server"
+    text = str(exc) or type(exc).__name__
+    if "refused" in text.lower():
+        why = "connection refused"
+    elif isinstance(exc, httpx.TimeoutException):
+        why = f"no answer in time: {type(exc).__name__}"
+    elif isinstance(exc, httpx.RemoteProtocolError):
+        why = f"the connection was closed: {text}"
+    else:
+        why = text
+    return f"cannot reach {base_url} ({why}): is a server running there?"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -615,9 +664,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import httpx
+
     args = build_parser().parse_args(argv)
+    problem = output_path_problem(files={"--json": args.json, "--plot": args.plot})  # before the run, not after
+    if problem is None and args.base_url is not None and not re.match(r"https?://[^/]", args.base_url):
+        problem = f"--base-url {args.base_url}: give a URL such as http://127.0.0.1:8000"
+    if problem:
+        print(f"pagedkv bench serve: {problem}", file=sys.stderr)
+        return 2
     try:
         run(args)
+    except httpx.TransportError as exc:  # nothing listens there, or the server went away during the run
+        print(f"pagedkv bench serve: {_unreachable(args.base_url and args.base_url.rstrip('/'), exc)}",
+              file=sys.stderr)
+        return 1
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"pagedkv bench serve: {exc}", file=sys.stderr)
         return 1

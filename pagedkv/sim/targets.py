@@ -147,7 +147,7 @@ def format_table(report: TargetReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedkv.sim.targets", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pagedkv bench scheduling", description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
