@@ -18,6 +18,7 @@ def output_path_problem(files: dict[str, str | Path | None] | None = None,
     Options given None (or "") are skipped. Every benchmark calls it before its work, so that a mistyped path
     costs nothing and leaves nothing behind: it makes no file or folder (the probe is a nameless temporary
     file, gone when closed)."""
+
     def unwritable(folder: Path) -> str | None:
         try:
             with tempfile.TemporaryFile(dir=folder):  # what os.access cannot tell: /proc, a read-only mount, root
