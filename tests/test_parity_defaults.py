@@ -185,3 +185,42 @@ def test_version_endpoint(srv):
 
     r = srv.client.get("/version")
     assert r.status_code == 200 and r.json() == {"version": version("pagedkv-lab")}
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace decoder: "▁" is a space, and the text's first one is dropped)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁Hello": 3, "▁world": 4, "▁the": 5, "a": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_a_completion_is_decoded_as_it_continues_its_prompt():
+    """vLLM's FastIncrementalDetokenizer (vllm/v1/engine/detokenizer.py) steps a DecodeStream primed with the
+    prompt's ids: after the prompt "Hello", the tokens "▁world ▁the" read " world the", the space kept. The lab
+    decoded the completion alone, "world the", in LLM.generate's text and in every streamed delta."""
+    from pagedkv.engine.output_processor import RequestState, decode_output
+
+    tok = _metaspace_tokenizer()
+    assert tok.decode([4, 5]) == "world the"  # alone, the first space goes
+    assert decode_output(tok, [4, 5], "length", False, [1, 3]) == " world the"
+    assert decode_output(tok, [4, 5, 2], "stop", False, [1, 3]) == " world the"  # the stop token's text skipped
+    state = RequestState("r", 0, [1, 3], SamplingParams(), [], False, tok)
+    deltas = [state.add_tokens([t], None, None, 0.0) for t in (4, 5)]
+    assert [d.text for d in deltas] == [" world", " the"] and state.text == " world the"
+
+
+def test_a_character_cut_by_max_tokens_is_left_out_of_the_text():
+    """A completion that ends inside a character (its last byte token not generated) has no U+FFFD at its end:
+    vLLM's DecodeStream gives no text for an incomplete character."""
+    from pagedkv.engine.output_processor import decode_output
+    from pagedkv.entrypoints.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ids = tok("a中")["input_ids"]
+    assert len(ids) > 2 and tok.decode(ids[:-1]).endswith("\ufffd")  # "中" is three byte tokens here
+    assert decode_output(tok, ids[:-1], "length", False, [tok("x")["input_ids"][0]]) == "a"
+    assert decode_output(tok, ids, "length", False, []) == "a中"

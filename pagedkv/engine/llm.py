@@ -724,7 +724,8 @@ class LLM:
             if c.stop_state is not None and c.stop_state.stop_reason in c.stop_state.stop:
                 text = c.stop_state.text  # cut at its stop string
             elif self.tokenizer is not None:
-                text = decode_output(self.tokenizer, c.token_ids, c.finish_reason, c.include_stop_str_in_output)
+                text = decode_output(self.tokenizer, c.token_ids, c.finish_reason, c.include_stop_str_in_output,
+                                     prompt_ids[c.prompt_index])
             out.outputs.append(CompletionOutput(c.index, text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                                 c.num_preemptions))
             out.num_preemptions += c.num_preemptions

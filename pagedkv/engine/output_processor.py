@@ -8,8 +8,12 @@ told to abort it (its blocks are freed on the next loop turn). Text that might b
 never sees text that is later taken back.
 
 Mirrors ``vllm/v1/engine/output_processor.py`` (``RequestState``, ``OutputProcessor.process_outputs``) and
-``vllm/v1/engine/detokenizer.py`` (``IncrementalDetokenizer``, ``check_stop_strings``). The lab decodes the
-whole output again on every token (simple and exact; vLLM decodes incrementally with a prefix offset).
+``vllm/v1/engine/detokenizer.py`` (``IncrementalDetokenizer``, ``check_stop_strings``). A fast tokenizer's
+text is decoded as vLLM's ``FastIncrementalDetokenizer`` decodes it: one token at a time through the
+``tokenizers`` library's ``DecodeStream``, primed with the prompt's ids, so that a completion reads as it
+continues its prompt (a SentencePiece token's leading space is kept after a prompt; decoded alone it is dropped)
+and a character whose bytes are split over tokens appears once it is whole. Another tokenizer (a slow one, or
+any object with ``decode``) has its output decoded whole again on every token, without the prompt.
 """
 
 from __future__ import annotations
@@ -44,15 +48,70 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: list[str], i
     return None
 
 
-def decode_output(tokenizer: Any, token_ids: list[int], finish_reason: str | None, include_stop_str_in_output: bool
-                  ) -> str:
-    """A completion's text: its tokens decoded (special tokens skipped), without the last one when the engine
-    stopped it on a stop token or EOS (``finish_reason == "stop"``) unless ``include_stop_str_in_output``: a stop
-    token is no part of the answer. Mirrors ``IncrementalDetokenizer.update(new_token_ids, stop_terminated)``
-    (``vllm/v1/engine/detokenizer.py``), which skips that token's text."""
+#: What ``DecodeStream.step`` raises when a tokenizer's output stopped being a prefix of what it decoded before
+#: (vLLM's ``INVALID_PREFIX_ERR_MSG``): the stream starts over without the prompt.
+_INVALID_PREFIX = "Invalid prefix encountered"
+
+
+class IncrementalDetokenizer:
+    """One completion's text, token by token, special tokens skipped. Mirrors ``FastIncrementalDetokenizer``
+    (``vllm/v1/engine/detokenizer.py``): a ``tokenizers.decoders.DecodeStream(ids=prompt_token_ids)`` stepped
+    once per new token, each step's text (None while a character is incomplete) appended; on "Invalid prefix
+    encountered" a fresh stream without the prompt, as vLLM's ``_protected_step`` does. A tokenizer that is not a
+    fast one (no ``tokenizers`` backend) is decoded whole on every update (vLLM's ``SlowIncrementalDetokenizer``
+    also reads the prompt; the lab does not there)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.token_ids: list[int] = []
+        self._backend: Any = None
+        self._stream: Any = None
+        try:
+            from tokenizers import Tokenizer
+            from tokenizers.decoders import DecodeStream
+
+            backend = getattr(tokenizer, "_tokenizer", None)
+            if isinstance(backend, Tokenizer):
+                self._stream = DecodeStream(ids=list(prompt_token_ids), skip_special_tokens=True)
+                self._backend = backend
+        except (ImportError, TypeError):  # tokenizers before 0.22 has no DecodeStream(ids=...): decode whole
+            self._stream = None
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Decode ``new_token_ids`` after those before them; the whole text so far."""
+        self.token_ids.extend(new_token_ids)
+        if self._stream is None:
+            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            return self.text
+        for token_id in new_token_ids:
+            self.text += self._step(token_id) or ""
+        return self.text
+
+    def _step(self, token_id: int) -> str | None:
+        from tokenizers.decoders import DecodeStream
+
+        try:
+            return self._stream.step(self._backend, token_id)
+        except (OverflowError, TypeError):  # an id the tokenizer cannot decode: no text (vLLM logs it)
+            return None
+        except Exception as exc:
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return self._stream.step(self._backend, token_id)
+
+
+def decode_output(tokenizer: Any, token_ids: list[int], finish_reason: str | None, include_stop_str_in_output: bool,
+                  prompt_token_ids: list[int] | None = None) -> str:
+    """A completion's text (:class:`IncrementalDetokenizer`, after ``prompt_token_ids``), without the last token
+    when the engine stopped it on a stop token or EOS (``finish_reason == "stop"``) unless
+    ``include_stop_str_in_output``: a stop token is no part of the answer. Mirrors
+    ``IncrementalDetokenizer.update(new_token_ids, stop_terminated)`` (``vllm/v1/engine/detokenizer.py``), which
+    skips that token's text."""
     if finish_reason == "stop" and not include_stop_str_in_output:
         token_ids = token_ids[:-1]
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids or []).update(list(token_ids))
 
 
 @dataclass
@@ -89,6 +148,7 @@ class RequestState:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    _detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -128,8 +188,10 @@ class RequestState:
         self.output_token_ids.extend(token_ids)
         if self.tokenizer is not None and token_ids:
             before = self.text
-            self.text = decode_output(self.tokenizer, self.output_token_ids, finish_reason,
-                                      self.include_stop_str_in_output)
+            if self._detokenizer is None:
+                self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
+            stop_token = finish_reason == "stop" and not self.include_stop_str_in_output
+            self.text = self._detokenizer.update(token_ids[:-1] if stop_token else token_ids)
             # the new characters are those after the part of the text that did not change: a character whose
             # bytes were split over tokens showed as U+FFFD and is replaced now, perhaps by a stop string (the
             # length alone may not grow). vLLM's detokenizer emits such a character once complete, as new text
