@@ -731,6 +731,7 @@ def test_grade_without_an_autograder_says_so(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_grade_says_when_a_notebook_is_left_out_of_progress_or_of_a_class_layout(tmp_path):
     """A notebook graded outside exercises/ is not counted by the course index's progress table, and a class
     folder's file that fits neither layout is listed as a learner of its own: both said so only in the docs."""
@@ -780,6 +781,7 @@ def test_build_check_fails_when_a_generated_file_is_stale(tmp_path):
     assert again.returncode == 0, again.stdout
 
 
+@pytest.mark.slow
 def test_build_check_names_a_notebook_with_answers_as_such(tmp_path):
     """``--check`` on a learner's notebook with answers in it said "stale; run ./lab exercises", and that command
     then refused to write: it says the notebook has changes of its own, as the rebuild does."""
