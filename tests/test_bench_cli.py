@@ -149,11 +149,9 @@ def test_serve_table_shows_no_running_figure_without_a_sample_that_saw_the_load(
            "median_ttft_ms": 70.0, "p99_ttft_ms": 75.0, "median_tpot_ms": 3.5, "median_itl_ms": 3.3,
            "p99_itl_ms": 7.8, "num_preemptions": 0, "failed": 0, **serve.running_stats([])}
     header, line, *notes = serve.format_table([row]).splitlines()
-    cells = dict(zip(header.split("  "), line.split("  "), strict=False))
     assert "TTFT med (ms)" in header and "ITL p99 (ms)" in header and "TPOT med (ms)" in header
     assert line.split()[-3:-1] == ["-", "-"], line  # run max, run mean; not 0
     assert notes and "--poll" in notes[0]
-    assert cells  # the header and the row line up
     # repetitions: the median of those that sampled the load; "-" only where none did
     runs = [dict(row, repeat=i, errors=[], timeseries=[], **stats) for i, stats in
             enumerate([serve.running_stats([]), {"max_running": 3.0, "mean_running": 1.5}])]
