@@ -76,6 +76,8 @@ from pagedkv.benchmarks.provenance import cpu_model, git_commit
 from pagedkv.utils.paths import output_path_problem
 
 IMPLS = ("hf_generate", "hf_static_batch", "hf_generate_batch", "pagedkv")
+#: Where :func:`default_results_folder` puts the default run's folders (git-ignored).
+DEFAULT_FOLDER = "artifacts/bench_engine"
 
 
 @dataclass
@@ -700,10 +702,6 @@ def default_results_folder(result: dict[str, Any]) -> Path:
     a run under ``benchmarks/results/cpu/`` is committed on purpose (``--out``), with a README."""
     c = result["config"]
     return Path(DEFAULT_FOLDER) / f"{c['date'][:10]}-{c['cpu_count']}core"
-
-
-#: Where :func:`default_results_folder` puts the default run's folders.
-DEFAULT_FOLDER = "artifacts/bench_engine"
 
 
 if __name__ == "__main__":
