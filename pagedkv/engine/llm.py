@@ -193,6 +193,8 @@ class LLM:
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
     swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
+    ``max_model_len`` (default: the config's ``max_position_embeddings``): ``-1`` fits it to the pool, the longest
+    request the pool holds up to that default, as vLLM 0.26's auto-fit (``--max-model-len auto``).
     Two defaults differ from vLLM 0.26's on purpose: ``dtype=None`` keeps the checkpoint's own dtype, float32
     included, so that greedy tokens can match transformers' exactly (vLLM's ``"auto"`` casts a float32 config
     to the platform's first dtype, ``_resolve_auto_dtype`` in ``vllm/config/model.py``); and ``block_size`` is 16
@@ -278,7 +280,10 @@ class LLM:
             raise ValueError("attn_backend='triton' needs the model on a CUDA device")
 
         limit = getattr(config, "max_position_embeddings", None) or 2048
-        if max_model_len is None:
+        # -1: vLLM 0.26's auto-fit (ModelConfig.max_model_len; `--max-model-len auto`): the model's length for the
+        # batch defaults and the pool's sizing, then the longest that the pool holds (_auto_fit_max_model_len)
+        auto_fit = is_int(max_model_len) and max_model_len == -1
+        if max_model_len is None or auto_fit:
             max_model_len = limit
         max_model_len = check_int(max_model_len, "max_model_len", 2, limit, why="for this model")
         self.max_model_len = max_model_len
@@ -306,7 +311,7 @@ class LLM:
                 raise ValueError(f"No available memory for the cache blocks: kv_cache_memory_bytes is "
                                  f"{kv_cache_memory_bytes}; give a positive number of bytes")
             needed = cdiv(max_model_len, block_size) * self._block_bytes()
-            if self.kv_cache_groups is None and kv_cache_memory_bytes < needed:
+            if self.kv_cache_groups is None and kv_cache_memory_bytes < needed and not auto_fit:
                 fits = kv_cache_memory_bytes // self._block_bytes() * block_size
                 raise ValueError(
                     f"To serve at least one request with the model's max seq len ({max_model_len}), {needed:,} "
@@ -325,10 +330,12 @@ class LLM:
                                                                     gpu_memory_utilization)
             if num_gpu_blocks is None:
                 num_gpu_blocks = self._size_pool(
-                    gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager)
+                    gpu_memory_utilization, self.attn_backend == "triton" and not enforce_eager, not auto_fit)
             else:
                 num_gpu_blocks = check_int(num_gpu_blocks, "num_gpu_blocks", 2, why="block 0 is the null block")
             self.num_gpu_blocks = num_gpu_blocks
+            if auto_fit:
+                max_model_len = self._auto_fit_max_model_len(num_gpu_blocks)
             if num_cpu_blocks is None:  # swap space: as many blocks as the pool, at most SWAP_SPACE_BYTES of them
                 num_cpu_blocks = min(num_gpu_blocks, max(1, SWAP_SPACE_BYTES // self._block_bytes())) \
                     if preemption_mode == "swap" else 0
@@ -459,12 +466,13 @@ class LLM:
         elem = next(self.model.parameters()).element_size()
         return 2 * self.block_size * kv_heads * head_dim * elem * config.num_hidden_layers
 
-    def _size_pool(self, gpu_memory_utilization: float, use_cuda_graph: bool) -> int:
+    def _size_pool(self, gpu_memory_utilization: float, use_cuda_graph: bool, check_len: bool = True) -> int:
         """Blocks for the pool, from lesson 5's ``pagedkv.sizing.profile`` (vLLM 0.26's
         ``determine_available_memory`` then ``get_num_blocks``): measured on a CUDA GPU, computed ("analytic",
         against a small CPU budget) on a CPU. Prints its start-up lines, ending with
         ``# GPU blocks: N, concurrency for L-token requests: X``. Where the module is missing, or a CPU profile
-        leaves no room (weights larger than the CPU budget), a pool of at most ``CPU_KV_CACHE_BYTES``."""
+        leaves no room (weights larger than the CPU budget), a pool of at most ``CPU_KV_CACHE_BYTES``.
+        ``check_len=False`` (auto-fit) leaves out the check that one ``max_model_len`` request fits."""
         dtype = next(self.model.parameters()).dtype
         block_bytes = self._block_bytes()
         try:
@@ -476,7 +484,8 @@ class LLM:
                 self.memory_profile = profile(
                     self.model, self.max_num_batched_tokens, block_size=self.block_size, kv_cache_dtype=dtype,
                     gpu_memory_utilization=gpu_memory_utilization, device=self.device,
-                    max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs, cuda_graphs=use_cuda_graph,
+                    max_model_len=self.max_model_len if check_len else None, max_num_seqs=self.max_num_seqs,
+                    cuda_graphs=use_cuda_graph,
                     cudagraph_batch_sizes=tuple(cudagraph_capture_sizes(self.max_num_seqs)),  # the ones captured
                 )
             except ValueError:
@@ -497,6 +506,39 @@ class LLM:
         print(f"KV cache: {CPU_KV_CACHE_BYTES / 2**20:.0f} MiB on {self.device} (no memory profile for this model)")
         print(f"# GPU blocks: {blocks}, concurrency for {self.max_model_len}-token requests: {concurrency:.2f}x")
         return blocks
+
+    def _auto_fit_max_model_len(self, num_gpu_blocks: int) -> int:
+        """``max_model_len=-1``: the longest request, at most the model's own length, whose KV cache the pool of
+        ``num_gpu_blocks`` holds (one full-attention group: ``num_gpu_blocks * block_size`` tokens, the null block
+        counted as vLLM counts it; a hybrid model: its groups' ``max_memory_usage_bytes_from_groups`` with
+        ``max_in_flight_tokens`` of 2 batches under async scheduling, 1 without). Sets and returns
+        ``self.max_model_len``, and prints vLLM's line. Mirrors ``_auto_fit_max_model_len``
+        (``vllm/v1/core/kv_cache_utils.py``), which runs before the pool's other checks, so an auto-fitted length
+        always passes them."""
+        from pagedkv.sizing import estimate_max_model_len, format_gib
+        from pagedkv.sizing.hybrid import max_memory_usage_bytes_from_groups
+
+        available = num_gpu_blocks * self._block_bytes()
+        if self.kv_cache_groups is None:
+            def usage(n: int) -> int:
+                return cdiv(n, self.block_size) * self._block_bytes()
+        else:
+            in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens  # max_in_flight_tokens
+
+            def usage(n: int) -> int:
+                return max_memory_usage_bytes_from_groups(self.kv_cache_groups, n, in_flight)
+        original = self.max_model_len
+        fitted = estimate_max_model_len(usage, available, original)
+        if fitted <= 0:
+            raise ValueError("Cannot auto-fit max_model_len: not enough GPU memory available to serve even a single "
+                             "token. Try increasing `gpu_memory_utilization`.")
+        if fitted >= original:
+            print(f"Auto-fit max_model_len: full model context length {original} fits in available GPU memory")
+        else:
+            print(f"Auto-fit max_model_len: reduced from {original} to {fitted} to fit in available GPU memory "
+                  f"({format_gib(available)} GiB available for KV cache)")
+        self.max_model_len = min(fitted, original)
+        return self.max_model_len
 
     # ------------------------------------------------------------------------------------------------
     # Requests

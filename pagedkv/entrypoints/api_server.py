@@ -686,6 +686,7 @@ def describe_kv_pool(llm: Any, args: argparse.Namespace, log: str) -> str:
              f"{max_concurrency(n, block_size, llm.max_model_len):.2f}x."]
     if profiled:
         lines.append("Choose its size with --num-gpu-blocks N or --kv-cache-memory-bytes BYTES.")
+    lines += [ln for ln in log.splitlines() if ln.startswith("Auto-fit max_model_len")]  # --max-model-len auto
     return "\n".join(lines)
 
 

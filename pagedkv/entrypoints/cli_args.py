@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagedkv.utils.argparse_utils import human_readable_int, human_readable_int_or_auto
+
 DESCRIPTION = "An OpenAI-compatible HTTP server on the lab's engine (FastAPI + uvicorn)."
 
 
@@ -22,12 +24,15 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--num-gpu-blocks-override", "--num-gpu-blocks", dest="num_gpu_blocks", type=int, default=None,
                    help="KV pool size in blocks (default: profiled, as lesson 5)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV pool size in bytes (blocks = bytes // one block over all layers), instead of profiling")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
+                   help="KV pool size in bytes (blocks = bytes // one block over all layers), instead of profiling; "
+                   "1k = 1,000, 1K = 1,024 (also M, G, T)")
+    p.add_argument("--max-model-len", type=human_readable_int_or_auto, default=None,
+                   help="tokens per request, prompt and output (default: the model's max_position_embeddings); "
+                   "'auto' or -1: the longest the KV pool holds, at most that default; 32k = 32,000, 32K = 32,768")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once (default: vLLM's for its server: 128 on a CPU, 256 or 1024 on a GPU)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
                    help="tokens per step (default: vLLM's for its server: 2048 on a CPU, 2048 or 8192 on a GPU; at "
                    "most max-num-seqs whole sequences)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "NoKVCacheMemoryError",
     "check_enough_kv_cache_memory",
+    "estimate_max_model_len",
     "kv_page_bytes",
     "max_concurrency",
     "num_gpu_blocks",
@@ -206,3 +208,22 @@ def check_enough_kv_cache_memory(available: int, page_bytes: int, num_layers: in
             f"GiB). {estimate}Lower max_model_len, or raise gpu_memory_utilization / total_memory."
         )
 
+
+
+def estimate_max_model_len(usage_bytes: Callable[[int], int], available: int, original_max: int) -> int:
+    """The longest request, at most ``original_max`` tokens, whose KV cache fits in ``available`` bytes:
+    ``usage_bytes(n)`` is what one request of ``n`` tokens can hold (``cdiv(n, block_size)`` blocks of every layer
+    for full attention; :func:`pagedkv.sizing.hybrid.max_memory_usage_bytes_from_groups` for a hybrid model).
+    A binary search over ``1 .. original_max``; 0 when not even one token fits. What ``LLM(max_model_len=-1)``
+    (``--max-model-len auto``) runs with. Mirrors ``_estimate_max_model_len_from_groups``, which
+    ``_auto_fit_max_model_len`` calls (``vllm/v1/core/kv_cache_utils.py``). Pure."""
+    if usage_bytes(1) > available:
+        return 0
+    result, left, right = 1, 1, original_max
+    while left <= right:
+        mid = (left + right) // 2
+        if usage_bytes(mid) <= available:
+            result, left = mid, mid + 1
+        else:
+            right = mid - 1
+    return result
