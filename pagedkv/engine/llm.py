@@ -47,6 +47,7 @@ from pagedkv.sizing.hybrid import (
     get_kv_cache_groups,
     get_kv_cache_spec,
 )
+from pagedkv.sizing.kv_cache_utils import kv_page_bytes
 from pagedkv.utils import cdiv, check_int, is_int
 
 #: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE; the
@@ -460,11 +461,8 @@ class LLM:
         if self.kv_cache_groups is not None:
             group_size = max(len(g.layer_names) for g in self.kv_cache_groups)
             return self.kv_cache_groups[0].kv_cache_spec.page_size_bytes * group_size
-        config = self.model.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        elem = next(self.model.parameters()).element_size()
-        return 2 * self.block_size * kv_heads * head_dim * elem * config.num_hidden_layers
+        config = self.model.config  # lesson 5's page (one layer), in every layer
+        return kv_page_bytes(config, self.block_size, next(self.model.parameters()).dtype) * config.num_hidden_layers
 
     def _size_pool(self, gpu_memory_utilization: float, use_cuda_graph: bool, check_len: bool = True) -> int:
         """Blocks for the pool, from lesson 5's ``pagedkv.sizing.profile`` (vLLM 0.26's

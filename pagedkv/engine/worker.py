@@ -21,6 +21,7 @@ from pagedkv.distributed.layers import ParallelLMHead
 from pagedkv.distributed.shard import shard_model
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.sched_output import SchedulerOutput
+from pagedkv.sizing.kv_cache_utils import kv_page_bytes
 
 #: Bytes of KV cache per rank on a CPU when the engine names none: the one-process engine's CPU pool
 #: (``pagedkv.engine.llm.CPU_KV_CACHE_BYTES``).
@@ -72,11 +73,10 @@ class Worker:
                 "num_kv_heads": self.model.config.num_key_value_heads}
 
     def block_bytes(self, block_size: int) -> int:
-        """One block on this rank, all layers, K and V: ``2 · block_size · kv_heads_per_rank · head_dim · bytes
-        · num_layers``."""
+        """One block on this rank, all layers, K and V: lesson 5's page (``2 · block_size · kv_heads_per_rank ·
+        head_dim · bytes``, the sharded config's KV heads) times ``num_layers``."""
         c = self.model.config
-        elem = next(self.model.parameters()).element_size()
-        return 2 * block_size * c.num_key_value_heads * c.head_dim * elem * c.num_hidden_layers
+        return kv_page_bytes(c, block_size, next(self.model.parameters()).dtype) * c.num_hidden_layers
 
     def determine_num_blocks(self, block_size: int, kv_cache_memory_bytes: int | None,
                              gpu_memory_utilization: float) -> int:
