@@ -468,32 +468,126 @@ def test_set04_the_librarys_hooks_score_0_without_a_names_scan(tmp_path):
     _scores_0_told_why(tmp_path, "04_scheduling", SET04_ROUTES)
 
 
+def _first_that_runs(signature: str, imports: str, setup: str, routes: list[str], only: int | None = None) -> str:
+    """An answer that tries each of ``routes`` (expressions) in turn and returns the first that does not raise the
+    grader's stub error, else raises the last: one planted answer closes every route only if each is hidden.
+    ``only=i``: an answer that takes route ``i`` alone."""
+    if only is not None:
+        return f"def {signature}:\n{imports}{setup}    return {routes[only]}\n"
+    body = "".join(f"        lambda: {r},\n" for r in routes)
+    return (f"def {signature}:\n{imports}{setup}"
+            f"    last = None\n    for route in [\n{body}    ]:\n"
+            "        try:\n            return route()\n        except RuntimeError as exc:\n            last = exc\n"
+            "    raise last\n")
+
+
+_PAGE_IMPORTS = ("    import types\n    import torch\n    from pagedkv.engine.llm import LLM\n"
+                 "    from pagedkv.kv_cache_interface import FullAttentionSpec\n"
+                 "    from pagedkv.sim.cost import ModelSpec\n"
+                 "    from pagedkv.sizing import KV_CACHE_DTYPES, analytic_profile, model_shape\n"
+                 "    from pagedkv.sizing.parallel import kv_page_bytes_per_rank\n")
+# one layer's page from the spec, from the engine's block bytes (called unbound on a stand-in), from the cost model
+_PAGE_ROUTES = [
+    "FullAttentionSpec(block_size=block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_dim, "
+    "dtype=d).page_size_bytes",
+    "LLM._block_bytes(types.SimpleNamespace(kv_cache_groups=None, block_size=block_size, model=types.SimpleNamespace("
+    "config=types.SimpleNamespace(**{**cfg, 'num_hidden_layers': 1}), parameters=lambda: iter([torch.empty(0, "
+    "dtype=d)]))))",
+    "ModelSpec('m', 1, 1, 1, 1, s.num_kv_heads, s.head_dim, kv_dtype_bytes=d.itemsize).kv_bytes_per_token "
+    "* block_size",
+]
 SET05_ROUTES = {
-    # the profile's copy of the page size, then the per-rank sizing's copy at one rank
-    "kv_page_bytes": "def kv_page_bytes(config, block_size, kv_cache_dtype='auto'):\n"
-                     "    from pagedkv.sizing import analytic_profile\n"
-                     "    from pagedkv.sizing.parallel import kv_page_bytes_per_rank\n"
-                     "    try:\n"
-                     "        return analytic_profile(config, 1, block_size=block_size,\n"
-                     "            kv_cache_dtype=kv_cache_dtype, total_memory=1 << 50,\n"
-                     "            max_model_len=1).page_size_bytes\n"
-                     "    except RuntimeError:\n"
-                     "        return kv_page_bytes_per_rank(config, 1, block_size, kv_cache_dtype)\n",
-    # what was the private twin, by its old name, then by the profile
-    "num_gpu_blocks": "def num_gpu_blocks(*args):\n"
-                      "    import pagedkv.sizing.kv_cache_utils as k\n"
-                      "    twin = getattr(k, '_num_gpu_blocks', k.num_gpu_blocks)\n"
-                      "    return twin(*args)\n",
-    "predict_num_gpu_blocks": "def predict_num_gpu_blocks(config, weights_bytes, max_num_batched_tokens,\n"
-                              "                           total_memory,\n"
-                              "                           gpu_memory_utilization=0.92, block_size=16,\n"
-                              "                           kv_cache_dtype='auto'):\n"
-                              "    import pagedkv.sizing.gpu_worker as g\n"
-                              "    profile = getattr(g, '_analytic_profile', g.analytic_profile)\n"
-                              "    return profile(config, max_num_batched_tokens, block_size=block_size,\n"
-                              "        kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,\n"
-                              "        weights_memory=weights_bytes, total_memory=total_memory).num_gpu_blocks\n",
+    # the profile's copy of the page size, the per-rank sizing's at one rank, then the three above
+    "kv_page_bytes": (
+        "kv_page_bytes(config, block_size, kv_cache_dtype='auto')", _PAGE_IMPORTS,
+        "    cfg, s = dict(config), model_shape(config)\n"
+        "    d = s.dtype if kv_cache_dtype == 'auto' else KV_CACHE_DTYPES[kv_cache_dtype]\n",
+        ["analytic_profile(config, 1, block_size=block_size, kv_cache_dtype=kv_cache_dtype, total_memory=1 << 50, "
+         "max_model_len=1).page_size_bytes",
+         "kv_page_bytes_per_rank(config, 1, block_size, kv_cache_dtype)", *_PAGE_ROUTES]),
+    # what was the private twin, by its old name; then lesson 4's cost model, one "block" in every layer
+    "num_gpu_blocks": (
+        "num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes, num_layers)",
+        "    import pagedkv.sizing.kv_cache_utils as k\n"
+        "    from pagedkv.sim.cost import CostModel, GPUSpec, ModelSpec\n",
+        "    gpu = GPUSpec('g', hbm_bytes=total, hbm_bandwidth=1, peak_flops=1, pcie_bandwidth=1)\n"
+        "    model = ModelSpec('m', weights, num_layers, 1, 1, 1, page_bytes // 2, dtype_bytes=1, kv_dtype_bytes=1)\n",
+        ["getattr(k, '_num_gpu_blocks', k.num_gpu_blocks)(total, utilization, weights, peak_activation, non_torch, "
+         "cudagraph, page_bytes, num_layers)",
+         "CostModel(gpu, model, block_size=1).num_gpu_blocks(utilization, activation_bytes=peak_activation, "
+         "cudagraph_bytes=cudagraph, non_torch_bytes=non_torch)"]),
+    # the profile (by the old twin's name), then the per-rank sizing at one rank
+    "predict_num_gpu_blocks": (
+        "predict_num_gpu_blocks(config, weights_bytes, max_num_batched_tokens, total_memory, "
+        "gpu_memory_utilization=0.92, block_size=16, kv_cache_dtype='auto')",
+        "    import pagedkv.sizing.gpu_worker as g\n    from pagedkv.sizing.parallel import rank_sizing\n", "",
+        ["getattr(g, '_analytic_profile', g.analytic_profile)(config, max_num_batched_tokens, block_size=block_size, "
+         "kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization, weights_memory=weights_bytes, "
+         "total_memory=total_memory).num_gpu_blocks",
+         "rank_sizing(config, 1, total_memory=total_memory, gpu_memory_utilization=gpu_memory_utilization, "
+         "block_size=block_size, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens, "
+         "weights_memory=weights_bytes).num_blocks"]),
 }
+SET09_ROUTES = {  # the unsalted chain in one call (a red-team pass: the public unsalted case, 1 point of 3)
+    "salted_block_hashes": (
+        "salted_block_hashes(token_ids, block_size, cache_salt)",
+        "    from pagedkv.kv_cache_utils import hash_request_tokens, sha256_hash\n", "",
+        ["hash_request_tokens(sha256_hash, block_size, token_ids, None if cache_salt is None else (cache_salt,))"]),
+}
+SET10_ROUTES = {  # a red-team pass: lesson 5's page with exercise 1's head count (3/3), and the routes above
+    "kv_page_bytes_per_rank": (
+        "kv_page_bytes_per_rank(config, tp, block_size=16, dtype_bytes=2)",
+        _PAGE_IMPORTS + "    from pagedkv.distributed.layers import num_kv_heads_per_rank\n"
+        "    from pagedkv.sizing import kv_page_bytes\n    from pagedkv.sizing.parallel import is_mla, mla_head_size\n",
+        "    if is_mla(config):\n        return block_size * mla_head_size(config) * dtype_bytes\n"
+        "    heads = num_kv_heads_per_rank(model_shape(config).num_kv_heads, tp)\n"
+        "    cfg = {**config, 'num_key_value_heads': heads}\n    s = model_shape(cfg)\n"
+        "    d = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]\n",
+        ["kv_page_bytes(cfg, block_size, d)", *_PAGE_ROUTES]),
+}
+
+
+def _planted(routes: dict[str, tuple]) -> dict[str, str]:
+    return {name: _first_that_runs(*spec) for name, spec in routes.items()}
+
+
+def test_every_planted_route_computes_the_answer_when_nothing_is_hidden():
+    """Each route above, run against the library itself, returns what the listed function returns: the grading
+    tests below prove the stubs close real routes, not broken ones."""
+    from pagedkv.kv_cache_utils import hash_request_tokens as chain
+    from pagedkv.kv_cache_utils import sha256_hash
+    from pagedkv.sizing import analytic_profile, kv_page_bytes, num_gpu_blocks
+    from pagedkv.sizing.parallel import kv_page_bytes_per_rank
+
+    llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+             "dtype": "bfloat16"}
+    mla = {"num_hidden_layers": 4, "num_attention_heads": 16, "hidden_size": 2048, "kv_lora_rank": 512,
+           "qk_rope_head_dim": 64}
+    blocks = (80 << 30, 0.92, 16_060_522_496, 2 << 30, 1 << 29, 1 << 28, 65536, 32)
+    tiny = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+            "dtype": "float32"}
+    for routes in (SET05_ROUTES, SET09_ROUTES, SET10_ROUTES):
+        for name, spec in routes.items():
+            for i in range(len(spec[3])):
+                one: dict = {}
+                exec(_first_that_runs(*spec, only=i), one)  # noqa: S102 - the test's own planted answers
+                got = {
+                    "kv_page_bytes": lambda f: f(llama, 16, "auto"),
+                    "num_gpu_blocks": lambda f: f(*blocks),
+                    "predict_num_gpu_blocks": lambda f: f(tiny, 558_400, 2048, 512 << 20),
+                    "salted_block_hashes": lambda f: f(list(range(40)), 16, None),
+                    "kv_page_bytes_per_rank": lambda f: (f(llama, 4), f(mla, 4, 16, 2)),
+                }[name](one[name])
+                want = {
+                    "kv_page_bytes": kv_page_bytes(llama, 16),
+                    "num_gpu_blocks": num_gpu_blocks(*blocks),
+                    "predict_num_gpu_blocks": analytic_profile(tiny, 2048, weights_memory=558_400,
+                                                               total_memory=512 << 20).num_gpu_blocks,
+                    "salted_block_hashes": chain(sha256_hash, 16, list(range(40))),
+                    "kv_page_bytes_per_rank": (kv_page_bytes_per_rank(llama, 4),
+                                               kv_page_bytes_per_rank(mla, 4, 16, "bf16")),
+                }[name]
+                assert got == want, (name, spec[3][i], got, want)
 
 
 @pytest.mark.slow
@@ -502,7 +596,19 @@ def test_set05_no_other_copy_of_an_answer_scores(tmp_path):
     profile's and the per-rank copies were closed only because ``resolve_kv_cache_dtype``, which both call, is
     listed too; the private twins ``_num_gpu_blocks`` and ``_analytic_profile`` were hidden by a guess from their
     names (``sandbox.with_private_twins``). Now each answer has one copy, which the others call, and no twin."""
-    _scores_0_told_why(tmp_path, "05_sizing_the_pool", SET05_ROUTES)
+    _scores_0_told_why(tmp_path, "05_sizing_the_pool", _planted(SET05_ROUTES))
+
+
+@pytest.mark.slow
+def test_set09_and_set10_no_other_copy_of_an_answer_scores(tmp_path):
+    """A red-team pass scored set 10's page per rank 3/3 with lesson 5's ``kv_page_bytes`` and exercise 1's
+    ``num_kv_heads_per_rank`` (neither listed for exercise 2), and set 05's page 4/4 through the spec's page size,
+    the engine's block bytes and the cost model (written again there, not listed; the engine's now call
+    ``kv_page_bytes``); set 09's public unsalted case fell to ``hash_request_tokens``."""
+    for folder, name, routes in (("09", "09_serving_online", SET09_ROUTES),
+                                 ("10", "10_tensor_parallelism", SET10_ROUTES)):
+        (tmp_path / folder).mkdir()
+        _scores_0_told_why(tmp_path / folder, name, _planted(routes))
 
 
 def test_a_case_that_composes_both_halves_of_an_answer_is_refused(monkeypatch):
