@@ -100,3 +100,17 @@ def test_activations_of_another_batch_are_named() -> None:
 def test_the_solution_still_passes_every_case() -> None:
     results = NB.grade({})
     assert results and all(ok for _, _, ok, _ in results), [m for _, _, ok, m in results if not ok]
+
+
+def test_an_answer_written_for_the_notebooks_example_alone_scores_nothing() -> None:
+    """The refusals case counted once the notebook's own example worked: an answer that returned that one figure
+    and raised ValueError on everything else scored its point (a red-team pass)."""
+    answer = ("def num_gpu_blocks(total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes,\n"
+              "                   num_layers):\n"
+              "    got = (total, utilization, weights, peak_activation, non_torch, cudagraph, page_bytes, num_layers)\n"
+              "    if got == (80 * 2**30, 0.92, 16_060_522_496, 2 * 2**30, 2**29, 2**28, 65536, 32):\n"
+              "        return 28616\n"
+              "    raise ValueError('hard-coded')\n")
+    results = [ok for q, _, ok, _ in NB.grade({"num_gpu_blocks": answer}, only={"num_gpu_blocks"})
+               if q == "num_gpu_blocks"]  # fmt: skip
+    assert results and not any(results), results

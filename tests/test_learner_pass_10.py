@@ -75,3 +75,15 @@ def test_ignoring_head_dim_fails_a_public_case_saying_so() -> None:
     failures = NB.failures("kv_page_bytes_per_rank", wrong)
     assert len(failures) == 1, failures  # the dense models' case; the MLA case has no head_dim to read
     assert "Qwen3-0.6B" in failures[0] and "this config has head_dim=128: use it" in failures[0], failures
+
+
+def test_an_answer_written_for_one_split_alone_scores_nothing() -> None:
+    """The refusals case counted once one valid split worked: an answer that returned that split's heads and
+    raised ValueError on everything else scored its point (a red-team pass)."""
+    answer = ("def kv_heads_of_rank(num_kv_heads, tp, rank):\n"
+              "    if (num_kv_heads, tp, rank) == (8, 2, 1):\n"
+              "        return [4, 5, 6, 7]\n"
+              "    raise ValueError('hard-coded')\n")
+    results = [ok for q, _, ok, _ in NB.grade({"kv_heads_of_rank": answer}, only={"kv_heads_of_rank"})
+               if q == "kv_heads_of_rank"]  # fmt: skip
+    assert results and not any(results), results

@@ -120,7 +120,10 @@ def check_kv_heads_small(kv_heads_of_rank: Any) -> None:
 def check_kv_heads_refuses_bad_splits(kv_heads_of_rank: Any) -> None:
     """Splits that do not divide, and ranks outside 0..tp-1, refused with ValueError (1 point)."""
     require_function(kv_heads_of_rank, "kv_heads_of_rank")
-    _check_heads(kv_heads_of_rank, 8, 2, 1)
+    # the refusals count once valid splits work: several, so that an answer written for one example and raising
+    # on everything else does not score here (a red-team pass: 1 point for that)
+    for h, tp, rank in ((8, 2, 1), (8, 4, 3), (2, 4, 2), (4, 1, 0)):
+        _check_heads(kv_heads_of_rank, h, tp, rank)
     for args, why in (((6, 4, 0), "6 KV heads do not split over 4 ranks"),
                       ((2, 3, 0), "3 ranks cannot share 2 KV heads evenly"),
                       ((4, 2, 2), "rank 2 does not exist with tp=2"),
