@@ -209,7 +209,6 @@ def check_enough_kv_cache_memory(available: int, page_bytes: int, num_layers: in
         )
 
 
-
 def estimate_max_model_len(usage_bytes: Callable[[int], int], available: int, original_max: int) -> int:
     """The longest request, at most ``original_max`` tokens, whose KV cache fits in ``available`` bytes:
     ``usage_bytes(n)`` is what one request of ``n`` tokens can hold (``cdiv(n, block_size)`` blocks of every layer
