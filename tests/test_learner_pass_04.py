@@ -145,3 +145,27 @@ def test_admission_mistakes_are_named(fn, message) -> None:
 def test_fcfs_victim_mistakes_are_named(fn, message) -> None:
     with pytest.raises(AssertionError, match=message):
         grade_select_victim(fn, example_victim_cases(), SCENARIOS)
+
+
+def victim_last_of_a_tie(running, policy):  # sorted is stable: the LAST of two full ties
+    return sorted(running, key=lambda r: (r.priority, r.arrival_time))[-1] if policy == "priority" else running[-1]
+
+
+def victim_by_the_waiting_queues_order(running, policy):  # the priority queue's last: ties go to the larger id
+    from pagedkv.request_queue import PriorityRequestQueue
+
+    if policy != "priority":
+        return running[-1]
+    queue = PriorityRequestQueue()
+    for r in running:
+        queue.add_request(r)
+    return queue[len(queue) - 1]
+
+
+@pytest.mark.parametrize("fn", [victim_last_of_a_tie, victim_by_the_waiting_queues_order])
+def test_a_full_tie_goes_to_the_first_in_running(fn) -> None:
+    """vLLM 0.26 picks ``max(running, key=lambda r: (r.priority, r.arrival_time))``: on a full tie the first in
+    ``running``. No case had a full tie, so the last of the tied, or the library's priority queue's order (a
+    red-team pass: 2/2 without writing the rule), scored full marks."""
+    with pytest.raises(AssertionError, match=r"returned 'e', expected 'b'. 'e' and 'b' tie on priority and arrival"):
+        grade_select_victim(fn, example_victim_cases(), SCENARIOS)

@@ -819,6 +819,10 @@ def check_select_victim_cases(select_victim: Callable, cases: Sequence[tuple[Seq
                 hint = (f" {victim!r} has priority {priority[victim]}, but {want!r} has "
                         f"{priority[want]}: a larger priority value is less important (vLLM's convention), "
                         "and the least important request is the victim.")
+            elif {t for rid, _, t in specs if rid == victim} == {t for rid, _, t in specs if rid == want}:
+                hint = (f" {victim!r} and {want!r} tie on priority and arrival time: the victim is then the first of "
+                        "them in `running`, as vLLM's max(running, key=lambda r: (r.priority, r.arrival_time)) "
+                        "returns it (not the largest request id, nor the last).")
             else:
                 hint = " On equal priority, the victim is the one that arrived last (largest arrival_time)."
         fail(f"{call} returned {victim!r}, expected {want!r}.{hint}")
@@ -832,6 +836,9 @@ def random_victim_cases(seed: int, n: int = 200) -> list[VictimCase]:
         size = rng.randint(1, 8)
         arrivals = rng.sample(range(100), size)
         running = [(f"v{k}-{i}", rng.randint(0, 3), float(arrivals[i])) for i in range(size)]
+        if size > 1 and rng.random() < 0.25:  # a full tie (requests added at the same time): max keeps the first
+            i, j = rng.sample(range(size), 2)
+            running[j] = (running[j][0], running[i][1], running[i][2])
         if rng.random() < 0.5:  # admission order is usually arrival order, but not after preemptions
             running.sort(key=lambda r: r[2])
         cases.append((running, rng.choice(["fcfs", "priority"])))
@@ -840,6 +847,7 @@ def random_victim_cases(seed: int, n: int = 200) -> list[VictimCase]:
 
 def example_victim_cases() -> list[VictimCase]:
     a, b, c, d = ("a", 1, 0.0), ("b", 2, 1.0), ("c", 2, 0.5), ("d", 0, 2.0)
+    e = ("e", 2, 1.0)  # b's priority and arrival time: the first of the two in running is the victim
     return [
         ([a, b, c], "fcfs"),
         ([d, a], "fcfs"),
@@ -847,6 +855,7 @@ def example_victim_cases() -> list[VictimCase]:
         ([a, b, c, d], "priority"),
         ([a, c, b], "priority"),
         ([d, a], "priority"),
+        ([a, b, e], "priority"),
     ]
 
 
