@@ -341,3 +341,31 @@ def test_only_plain_data_crosses_and_a_scenario_runs_beside_the_learners_code():
         client.end_case()
     finally:
         sandbox.close()
+
+
+PATCHING_DECORATOR = (  # the launch patched from the decorator line, which runs when the sandbox defines the kernel
+    "@(lambda f: setattr(__import__('triton.runtime.interpreter', fromlist=['x']).InterpretedFunction, "
+    "'__getitem__', lambda self, grid: (lambda *a, **k: None)) or f)\n"
+)
+
+
+@pytest.mark.parametrize("kernel, why", [
+    ("@triton.jit\n" + PATCHING_DECORATOR + "def k(out_ptr, BLOCK: tl.constexpr):\n    pass\n", "another decorator"),
+    (PATCHING_DECORATOR + "@triton.jit\ndef k(out_ptr, BLOCK: tl.constexpr):\n    pass\n", "another decorator"),
+    ("@triton.jit\ndef k(out_ptr, BLOCK: tl.constexpr = __import__('os').getpid()):\n    pass\n", "default value"),
+    ("@triton.jit\ndef k(out_ptr, BLOCK: print('x') or tl.constexpr):\n    pass\n", "annotation"),
+    ("@triton.jit(do_not_specialize=[print('x')])\ndef k(out_ptr):\n    pass\n", "arguments are not plain"),
+])
+def test_a_kernels_def_line_runs_no_code_of_its_own(kernel, why):
+    """A red-team lead: only the kernel's body was checked, yet its decorators, defaults and annotations run when
+    the sandbox defines it, where a decorator could patch the launch as the notebook cell above could (a
+    helper kernel the graded one never calls is defined too, so its line is checked as well)."""
+    from pagedkv.grading.kernel_source import kernel_program
+
+    program = kernel_program([kernel], ["k"])
+    assert program is not None and why in program.problems.get("k", ""), program.problems
+    unused = kernel.replace("def k(", "def unused(")
+    program = kernel_program([unused, EMPTY_KERNEL], ["paged_decode_v1_kernel"])
+    assert why in program.problems.get("unused", ""), program.problems
+    fine = "@triton.jit(do_not_specialize=['n'])\ndef k(out_ptr, n, BLOCK: tl.constexpr = 64, eps: float = -1e-6):\n"
+    assert kernel_program([fine + "    pass\n"], ["k"]).problems == {}

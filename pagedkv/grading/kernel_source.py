@@ -51,8 +51,44 @@ def _is_constant(node: ast.AST) -> bool:
     return False
 
 
+def _is_plain(node: ast.AST | None) -> bool:
+    """A literal (number, string, bool, None, or a tuple/list of them) or a dotted name (``tl.constexpr``): what a
+    kernel's decorator arguments, defaults and annotations may be. Anything else runs code when the ``def`` runs."""
+    if node is None or isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return all(_is_plain(e) for e in node.elts)
+    if isinstance(node, ast.UnaryOp):
+        return _is_plain(node.operand)
+    while isinstance(node, ast.Attribute):
+        if node.attr.startswith("__"):
+            return False
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+def _signature_problem(fn: ast.FunctionDef) -> str | None:
+    """Why the kernel's ``def`` line would run code of its own when the sandbox defines it (another decorator
+    than ``@triton.jit``, a default or an annotation that calls something), or None. (A decorator runs when the
+    ``def`` runs, and could patch the launcher the grader then calls.)"""
+    if len(fn.decorator_list) != 1:
+        return "it has another decorator than @triton.jit"
+    dec = fn.decorator_list[0]
+    if isinstance(dec, ast.Call) and not all(_is_plain(a) for a in (*dec.args, *(k.value for k in dec.keywords))):
+        return "its @triton.jit(...) arguments are not plain values"
+    args = fn.args
+    every = (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg)
+    values = (*args.defaults, *args.kw_defaults, fn.returns, *(a.annotation for a in every if a is not None))
+    if not all(_is_plain(v) for v in values):
+        return "a default value or an annotation of its parameters is not a plain value (tl.constexpr, a number)"
+    return None
+
+
 def _body_problem(fn: ast.FunctionDef, allowed_globals: set[str]) -> str | None:
-    """Why the kernel's body is not Triton code, or None."""
+    """Why the kernel is not Triton code, or None."""
+    why = _signature_problem(fn)
+    if why is not None:
+        return why
     params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
     local = set(params)
     for node in ast.walk(fn):
@@ -116,8 +152,8 @@ def kernel_program(cells: list[str], wanted: list[str], *, kernel: bool = False)
         reached.add(name)
         todo += [n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name) and n.id in defs]
     problems = {}
-    for name in sorted(reached):
-        why = _body_problem(defs[name], allowed)
+    for name in sorted(defs):  # every definition runs in the sandbox: each def line is checked, the bodies reached
+        why = _body_problem(defs[name], allowed) if name in reached else _signature_problem(defs[name])
         if why is not None:
             problems[name] = why
     parts = [PRELUDE] + [sources[id(n)] for n in constants.values()] + [sources[id(n)] for n in defs.values()]
