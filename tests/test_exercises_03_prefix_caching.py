@@ -225,6 +225,8 @@ class _Stubs:
                     obj = getattr(obj, part)
                 break
             func = getattr(obj, "__func__", obj)
+            while hasattr(func, "fn") and not hasattr(func, "__code__"):  # a @triton.jit function: its Python
+                func = func.fn
             message = hidden_message(symbol, ".".join(parts[-2:]))
             scope: dict = {}
             names = func.__code__.co_freevars

@@ -687,7 +687,9 @@ def test_routes_a_search_of_the_library_found_score_0(tmp_path):
     mapping through Model Runner V2's block tables and the Triton kernel, ``prepare_inputs`` through the runner's
     method, the skipped tokens through the decode attention's groups, the victim through the waiting queue's
     order). All listed now (the victim's full tie checked instead: the waiting queue's order is what priority
-    scheduling runs on). Every planted exercise scores 0, told why."""
+    scheduling runs on). And set 10's page per rank from lesson 5's check helper ``_page_mistakes``: every lesson
+    module's checks, expected and reference functions are hidden in every set now (``sandbox.lesson_checks``).
+    Every planted exercise scores 0, told why."""
     by_set: dict[str, dict[str, list[str]]] = {}
     for path in sorted(ROUTES.glob("*.txt")):
         set_number, exercise, _ = path.stem.split("__")

@@ -76,58 +76,50 @@ def expand_classes(symbols: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _names_used(obj: object) -> set[str]:
-    """The global names a function (or each method of a class) uses, nested functions included."""
-    import inspect
-
-    codes = [getattr(inspect.unwrap(f), "__code__", None) if callable(f) else None
-             for f in (vars(obj).values() if inspect.isclass(obj) else [obj])]  # a @contextmanager's own body
-    names: set[str] = set()
-    while codes:
-        code = codes.pop()
-        if code is not None:
-            names.update(code.co_names)
-            codes += [c for c in code.co_consts if inspect.iscode(c)]
-    return names
-
-
 def lesson_checks(test_sources: Iterable[str]) -> list[str]:
-    """The checks of the lesson modules (``pagedkv.grading.lessons.lNN_*``) these test files use: every function the
-    tests import from them (``check_*``, set 04's ``grade_*`` and case builders), every ``check_*`` function, and
-    the module's private functions that only they call (``_allocate_slots_lifecycle``, the whole of
-    ``check_allocate_slots_random``), found through the names each uses. They run in the trusted process; in the
-    sandbox they are hidden from every exercise of the set, because a check that computes its expected values
-    inline would hand them to a learner's function that runs it with recording stand-ins for ``expect_equal`` (a
-    notebook cell that runs them there fails with "not available while grading", which is not reported). A
-    private function that the module's public helpers call too (``PluggableScheduler``, which notebook cells use)
-    stays."""
-    import importlib
-    import inspect
+    """The checks of the lesson modules (``pagedkv.grading.lessons.lNN_*``): in the modules these test files use,
+    every function the tests import from them (``check_*``, set 04's ``grade_*`` and case builders) and every
+    ``check_*``; in every other lesson module, each ``check_*``, ``expected_*`` and ``reference_*``; and the
+    private functions of the module that only those call (``_allocate_slots_lifecycle``, the whole of
+    ``check_allocate_slots_random``, lesson 5's ``_page_mistakes``), found through the names each body uses. They
+    run in the trusted process; in the sandbox they are hidden from every exercise, because a check that computes
+    its expected values inline would hand them to a learner's function that runs it with recording stand-ins for
+    ``expect_equal``, and another lesson's would hand over its answer (set 10's page per rank from lesson 5's
+    mistakes helper: a red-team pass). A notebook cell that runs them there fails with "not available while
+    grading", which is not reported. A private function that the module's public helpers call too
+    (``PluggableScheduler``, which notebook cells use) stays. Read from the modules' source, not imported."""
     import re
 
-    wanted: dict[str, set[str]] = {}
+    folder = Path(__file__).resolve().parent / "lessons"
+    imported: dict[str, set[str]] = {}
     for src in test_sources:
         for module, names in re.findall(r"from pagedkv\.grading\.lessons\.(l\d\d_\w+) import ([\w, ()\n]+)", src):
-            wanted.setdefault(module, set()).update(re.findall(r"\w+", names))
+            imported.setdefault(module, set()).update(re.findall(r"\w+", names))
     out: list[str] = []
-    for name, imported in sorted(wanted.items()):
-        module = importlib.import_module(f"pagedkv.grading.lessons.{name}")
-        own = {fn: obj for fn, obj in vars(module).items()
-               if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == module.__name__}
-        checks = {fn for fn, obj in own.items() if inspect.isfunction(obj)
-                  and (fn in imported or fn.startswith("check_"))}
+    for path in sorted(folder.glob("l[0-9][0-9]_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        own = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        # the names each body uses (not its decorators: with_earlier_answers(...) runs in the sandbox too)
+        uses = {name: {x.id for stmt in node.body for x in ast.walk(stmt) if isinstance(x, ast.Name)} & set(own)
+                for name, node in own.items()}
+        # another set's module: its answers too (this set's reference_* stand in for the learner's earlier
+        # answers in the sandbox, lessons.depends; another set's are nobody's there)
+        roots = ("check_",) if path.stem in imported else ("check_", "expected_", "reference_")
+        wanted = imported.get(path.stem, set())
+        checks = {name for name, node in own.items() if not isinstance(node, ast.ClassDef)
+                  and (name in wanted or name.startswith(roots))}
 
-        def reached(roots: set[str], own: dict = own) -> set[str]:
+        def reached(roots: set[str], own: dict = own, uses: dict = uses) -> set[str]:
             seen, todo = set(), list(roots)
             while todo:
-                for used in _names_used(own[todo.pop()]) & set(own):
-                    if used.startswith("_") and used not in seen and inspect.isfunction(own[used]):
+                for used in uses[todo.pop()]:
+                    if used.startswith("_") and used not in seen and not isinstance(own[used], ast.ClassDef):
                         seen.add(used)
                         todo.append(used)
             return seen
 
         helpers = reached(checks) - reached(set(own) - checks - {n for n in own if n.startswith("_")})
-        out += [f"{module.__name__}.{fn}" for fn in own if fn in checks or fn in helpers]
+        out += [f"pagedkv.grading.lessons.{path.stem}.{fn}" for fn in own if fn in checks or fn in helpers]
     return out
 
 
