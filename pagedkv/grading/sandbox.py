@@ -56,24 +56,43 @@ __all__ = ["INSTALL_HINT", "Cgroup", "Sandbox", "bwrap_problem", "close_all", "c
 
 def expand_classes(symbols: Iterable[str]) -> list[str]:
     """``symbols`` with each class among them replaced by the functions its own body defines
-    (``pagedkv.kv_cache_utils.FreeKVCacheBlockQueue`` -> ``...FreeKVCacheBlockQueue.popleft``, ...): a set's
-    ``reference:`` may name a whole class when the exercise is the whole class."""
-    import importlib
-    import inspect
-
+    (``pagedkv.kv_cache_utils.FreeKVCacheBlockQueue`` -> ``...FreeKVCacheBlockQueue.popleft``, ...; not its
+    properties, static or class methods): a set's ``reference:`` may name a whole class when the exercise is the
+    whole class. Read from the library's source, not imported (a set's worker imports no more than its checks)."""
+    package, kernels = _library_sources()
     out: list[str] = []
     for symbol in symbols:
-        module_name, _, name = symbol.rpartition(".")
-        try:
-            obj = getattr(importlib.import_module(module_name), name)
-        except (ImportError, AttributeError, ValueError):
-            out.append(symbol)  # a method (module.Class.method), or a misspelt name: stub_symbols reports it
+        found = _source_of(package, symbol.split("."), kernels)
+        node = None
+        if found is not None and len(found[1]) == 1:
+            tree = ast.parse(found[0].read_text(encoding="utf-8"))
+            node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == found[1][0]), None)
+        if node is None:
+            out.append(symbol)  # a function, a method (module.Class.method), or a misspelt name (stub_symbols says)
             continue
-        if inspect.isclass(obj):
-            out += [f"{symbol}.{m}" for m, f in vars(obj).items() if inspect.isfunction(f)]
-        else:
-            out.append(symbol)
+        plain = ("property", "staticmethod", "classmethod", "cached_property")
+        out += [f"{symbol}.{f.name}" for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and not any(ast.unparse(d).split(".")[-1] in (*plain, "setter", "getter", "deleter")
+                            for d in f.decorator_list)]
     return list(dict.fromkeys(out))
+
+
+def _source_of(package: Path, parts: list[str], kernels: Path | None = None) -> tuple[Path, list[str]] | None:
+    """The file of the library that defines the dotted ``parts`` (``pagedkv``, modules..., then names), and the
+    names left (``["KVCacheManager", "allocate_slots"]``): the longest module path that is a file of ``package``
+    (``pagedkv.kernels.*`` in ``kernels`` when the kernels live beside the package), or None."""
+    if parts[0] != "pagedkv":
+        return None
+    for cut in range(len(parts) - 1, 0, -1):
+        root, rel_parts = package, parts[1:cut]
+        if kernels is not None and rel_parts[:1] == ["kernels"]:
+            root, rel_parts = kernels, rel_parts[1:]
+        rel = Path(*rel_parts) if rel_parts else None
+        options = [root / "__init__.py"] if rel is None else [root / rel.with_suffix(".py"), root / rel / "__init__.py"]
+        for candidate in options:
+            if candidate.is_file():
+                return candidate, parts[cut:]
+    return None
 
 
 def lesson_checks(test_sources: Iterable[str]) -> list[str]:
@@ -150,24 +169,11 @@ def stub_symbols(package: Path, symbols: Iterable[str]) -> list[str]:
             else:
                 missing.append(symbol)
             continue
-        parts = symbol.split(".")
-        if parts[0] != "pagedkv":
+        found = _source_of(package, symbol.split("."))
+        if found is None:
             missing.append(symbol)
-            continue
-        found = False
-        for cut in range(len(parts) - 1, 0, -1):
-            rel = Path(*parts[1:cut]) if cut > 1 else None
-            options = (package / "__init__.py",) if rel is None else (package / rel.with_suffix(".py"),
-                                                                       package / rel / "__init__.py")
-            for candidate in options:
-                if candidate.is_file():
-                    by_file.setdefault(candidate, []).append((symbol, parts[cut:]))
-                    found = True
-                    break
-            if found:
-                break
-        if not found:
-            missing.append(symbol)
+        else:
+            by_file.setdefault(found[0], []).append((symbol, found[1]))
     for path, wanted in by_file.items():
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source)
