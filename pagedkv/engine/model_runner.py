@@ -80,6 +80,9 @@ from pagedkv.engine.attention import (
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
+from pagedkv.sizing.kv_cache_utils import kv_page_bytes
+from pagedkv.sizing.model import model_shape
+from pagedkv.utils import cdiv
 
 
 @dataclass
@@ -592,9 +595,10 @@ class ModelRunner:
         self.backend = backend
         self.input_prep = input_prep
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.max_blocks_per_req = -(-max_model_len // block_size)
+        shape_of_model = model_shape(config)  # the KV heads and head size, as lesson 5 reads a config
+        self.num_kv_heads, self.head_dim = shape_of_model.num_kv_heads, shape_of_model.head_dim
+        self.page_bytes = kv_page_bytes(config, block_size, self.dtype)  # one block of one layer: lesson 5's page
+        self.max_blocks_per_req = cdiv(max_model_len, block_size)
         shape = (num_gpu_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache_config = kv_cache_config
         for group in kv_cache_config.kv_cache_groups if kv_cache_config is not None else ():
@@ -662,8 +666,9 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None  # [S, V]: the latest step's sampled rows (for lessons)
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of the GPU-side KV cache (all layers, K and V; a tensor shared by several layers counted once)."""
-        return sum(self.kv_caches[i][0].numel() * self.kv_caches[i][0].element_size() * 2 for i in self._tensor_layers)
+        """Bytes of the GPU-side KV cache (all layers, K and V; a tensor shared by several layers counted once):
+        lesson 5's page times the blocks, per tensor."""
+        return sum(self.page_bytes * self.kv_caches[i][0].shape[0] for i in self._tensor_layers)
 
     # ------------------------------------------------------------------------------------------------
     # The runner's request states
