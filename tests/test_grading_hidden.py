@@ -688,8 +688,11 @@ def test_routes_a_search_of_the_library_found_score_0(tmp_path):
     method, the skipped tokens through the decode attention's groups, the victim through the waiting queue's
     order). All listed now (the victim's full tie checked instead: the waiting queue's order is what priority
     scheduling runs on). And set 10's page per rank from lesson 5's check helper ``_page_mistakes``: every lesson
-    module's checks, expected and reference functions are hidden in every set now (``sandbox.lesson_checks``).
-    Every planted exercise scores 0, told why."""
+    module's checks, expected and reference functions are hidden in every set now (``sandbox.lesson_checks``). A
+    third search (sets 05, 09, 10): the page from the benchmarks' byte counts and from a ``ModelRunner``'s cache
+    (which now takes its page from ``kv_page_bytes``), the block count from the tensor-parallel ``Worker`` and the
+    hybrid pool's config, the request metrics from the Prometheus logger. Every planted exercise scores 0, told
+    why."""
     by_set: dict[str, dict[str, list[str]]] = {}
     for path in sorted(ROUTES.glob("*.txt")):
         set_number, exercise, _ = path.stem.split("__")
