@@ -302,15 +302,19 @@ class MultiprocExecutor:
                         rank = next(r for r in pending if obj == self.procs[r].sentinel)
                         if self.conns[rank].poll():
                             continue  # read its last reply first
-                        self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died "
-                                   f"(exit code {self.procs[rank].exitcode})")
+                        self._fail(self._died(rank))
                     with _sigint_deferred():
                         failure = self._file_reply(rank, seq, results, pending)
                     if failure is not None:
-                        self._fail(failure)
+                        # a rank that died explains a survivor's error (its collective lost the peer): name it
+                        dead = [r for r in range(self.world_size) if r != rank and not self.procs[r].is_alive()]
+                        self._fail(f"{self._died(dead[0])}; then {failure}" if dead else failure)
         finally:
             self._awaited.discard(seq)
         return [results[r] for r in range(self.world_size)]
+
+    def _died(self, rank: int) -> str:
+        return f"worker rank {rank} (pid {self.procs[rank].pid}) died (exit code {self.procs[rank].exitcode})"
 
     def _file_reply(self, rank: int, seq: int, results: dict[int, Any], pending: set[int]) -> str | None:
         """Read one reply of ``rank`` and file it: into ``results`` (a reply to ``seq``), the stash (to another
