@@ -691,8 +691,11 @@ def test_routes_a_search_of_the_library_found_score_0(tmp_path):
     module's checks, expected and reference functions are hidden in every set now (``sandbox.lesson_checks``). A
     third search (sets 05, 09, 10): the page from the benchmarks' byte counts and from a ``ModelRunner``'s cache
     (which now takes its page from ``kv_page_bytes``), the block count from the tensor-parallel ``Worker`` and the
-    hybrid pool's config, the request metrics from the Prometheus logger. Every planted exercise scores 0, told
-    why."""
+    hybrid pool's config, the request metrics from the Prometheus logger. A fourth (every set): ceil division in
+    the per-rank shape, the parity workloads and the decode-attention metadata, the capacity from a KV cache
+    config, the waste from the simulator's step record, the slot mapping read back through ``gather_kv`` and the
+    shadow cache, the skipped tokens from the window mask and from ``attention`` itself, the per-rank pool from the
+    cost model. Every planted exercise scores 0, told why."""
     by_set: dict[str, dict[str, list[str]]] = {}
     for path in sorted(ROUTES.glob("*.txt")):
         set_number, exercise, _ = path.stem.split("__")
