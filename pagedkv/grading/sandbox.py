@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import resource
@@ -65,7 +66,7 @@ def expand_classes(symbols: Iterable[str]) -> list[str]:
         found = _source_of(package, symbol.split("."), kernels)
         node = None
         if found is not None and len(found[1]) == 1:
-            tree = ast.parse(found[0].read_text(encoding="utf-8"))
+            tree = _parsed(found[0].read_text(encoding="utf-8"))
             node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == found[1][0]), None)
         if node is None:
             out.append(symbol)  # a function, a method (module.Class.method), or a misspelt name (stub_symbols says)
@@ -75,6 +76,13 @@ def expand_classes(symbols: Iterable[str]) -> list[str]:
                 and not any(ast.unparse(d).split(".")[-1] in (*plain, "setter", "getter", "deleter")
                             for d in f.decorator_list)]
     return list(dict.fromkeys(out))
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(source: str) -> ast.Module:
+    """``ast.parse(source)``, once per text in a worker: its sandboxes' library copies stub the same files again
+    (read-only use: the callers change no node)."""
+    return ast.parse(source)
 
 
 def _source_of(package: Path, parts: list[str], kernels: Path | None = None) -> tuple[Path, list[str]] | None:
@@ -116,7 +124,7 @@ def lesson_checks(test_sources: Iterable[str]) -> list[str]:
             imported.setdefault(module, set()).update(re.findall(r"\w+", names))
     out: list[str] = []
     for path in sorted(folder.glob("l[0-9][0-9]_*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _parsed(path.read_text(encoding="utf-8"))
         own = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
         # the names each body uses (not its decorators: with_earlier_answers(...) runs in the sandbox too)
         uses = {name: {x.id for stmt in node.body for x in ast.walk(stmt) if isinstance(x, ast.Name)} & set(own)
@@ -176,7 +184,7 @@ def stub_symbols(package: Path, symbols: Iterable[str]) -> list[str]:
             by_file.setdefault(found[0], []).append((symbol, found[1]))
     for path, wanted in by_file.items():
         source = path.read_text(encoding="utf-8")
-        tree = ast.parse(source)
+        tree = _parsed(source)
         lines = source.splitlines(True)
         edits: list[tuple[int, int, str]] = []
         for symbol, qual in wanted:
