@@ -475,11 +475,16 @@ def _first_that_runs(signature: str, imports: str, setup: str, routes: list[str]
     ``only=i``: an answer that takes route ``i`` alone."""
     if only is not None:
         return f"def {signature}:\n{imports}{setup}    return {routes[only]}\n"
-    body = "".join(f"        lambda: {r},\n" for r in routes)
-    return (f"def {signature}:\n{imports}{setup}"
-            f"    last = None\n    for route in [\n{body}    ]:\n"
-            "        try:\n            return route()\n        except RuntimeError as exc:\n            last = exc\n"
-            "    raise last\n")
+    return f"def {signature}:\n{imports}{setup}" + _try_each([f"lambda: {r}" for r in routes], "")
+
+
+def _try_each(callables: list[str], args: str) -> str:
+    """A function body that calls each of ``callables`` with ``args`` in turn, returns the first result that is not
+    the grader's stub error (a ``RuntimeError``), else raises the last."""
+    listed = "".join(f"        {c},\n" for c in callables)
+    return (f"    last = None\n    for route in [\n{listed}    ]:\n"
+            f"        try:\n            return route({args})\n        except RuntimeError as exc:\n"
+            "            last = exc\n    raise last\n")
 
 
 _PAGE_IMPORTS = ("    import types\n    import torch\n    from pagedkv.engine.llm import LLM\n"
@@ -666,16 +671,14 @@ ROUTES = ROOT / "tests" / "data" / "unlisted_routes"  # SET__EXERCISE__ROUTE.txt
 
 
 def _combined(sources: list[str]) -> str:
-    """One answer cell that tries each of several answers of a function exercise (``def NAME``) in turn, as
-    :func:`_first_that_runs` does: the first that does not raise the grader's stub error wins."""
+    """One answer cell that tries each of several answers of a function exercise (``def NAME``) in turn
+    (:func:`_try_each`)."""
     if len(sources) == 1:
         return sources[0]
     name = re.search(r"^def (\w+)", sources[0], re.M).group(1)
     parts = [re.sub(rf"^def {name}\(", f"def _route{i}(", src, count=1, flags=re.M) for i, src in enumerate(sources)]
-    routes = ", ".join(f"_route{i}" for i in range(len(sources)))
-    return "\n\n".join(parts) + (f"\n\ndef {name}(*args, **kwargs):\n    last = None\n    for route in ({routes},):\n"
-                                 "        try:\n            return route(*args, **kwargs)\n"
-                                 "        except RuntimeError as exc:\n            last = exc\n    raise last\n")
+    return ("\n\n".join(parts) + f"\n\ndef {name}(*args, **kwargs):\n"
+            + _try_each([f"_route{i}" for i in range(len(sources))], "*args, **kwargs"))
 
 
 @pytest.mark.slow
