@@ -516,10 +516,11 @@ class LLM:
         from pagedkv.sizing import estimate_max_model_len, format_gib
         from pagedkv.sizing.hybrid import max_memory_usage_bytes_from_groups
 
-        available = num_gpu_blocks * self._block_bytes()
+        block_bytes = self._block_bytes()
+        available = num_gpu_blocks * block_bytes
         if self.kv_cache_groups is None:
             def usage(n: int) -> int:
-                return cdiv(n, self.block_size) * self._block_bytes()
+                return cdiv(n, self.block_size) * block_bytes
         else:
             in_flight = (2 if self.async_scheduling else 1) * self.max_num_batched_tokens  # max_in_flight_tokens
 
@@ -535,8 +536,8 @@ class LLM:
         else:
             print(f"Auto-fit max_model_len: reduced from {original} to {fitted} to fit in available GPU memory "
                   f"({format_gib(available)} GiB available for KV cache)")
-        self.max_model_len = min(fitted, original)
-        return self.max_model_len
+        self.max_model_len = fitted  # at most the original: the search starts there
+        return fitted
 
     # ------------------------------------------------------------------------------------------------
     # Requests

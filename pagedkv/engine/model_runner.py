@@ -597,7 +597,7 @@ class ModelRunner:
         self.num_layers = config.num_hidden_layers
         shape_of_model = model_shape(config)  # the KV heads and head size, as lesson 5 reads a config
         self.num_kv_heads, self.head_dim = shape_of_model.num_kv_heads, shape_of_model.head_dim
-        self.page_bytes = kv_page_bytes(config, block_size, self.dtype)  # one block of one layer: lesson 5's page
+        self.page_bytes = kv_page_bytes(shape_of_model, block_size, self.dtype)  # lesson 5's page: a block, a layer
         self.max_blocks_per_req = cdiv(max_model_len, block_size)
         shape = (num_gpu_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache_config = kv_cache_config
