@@ -90,6 +90,11 @@ class SourceNotebook:
                 results.append((q, hidden, True, ""))
         return results
 
+    def outcomes(self, question: str, answer: str) -> list[tuple[bool, str]]:
+        """Every test cell of ``question`` (hidden ones too), in the source's order, run with ``answer`` in its
+        solution cell: (passed, message)."""
+        return [(ok, msg) for _, _, ok, msg in self.grade({question: answer}, only={question})]
+
     def failures(self, question: str, answer: str) -> list[str]:
         """The public test cells of ``question`` run with ``answer`` in its solution cell: their failure messages."""
         return [msg for _, _, ok, msg in self.grade({question: answer}, only={question}, public_only=True) if not ok]

@@ -111,6 +111,5 @@ def test_an_answer_written_for_the_notebooks_example_alone_scores_nothing() -> N
               "    if got == (80 * 2**30, 0.92, 16_060_522_496, 2 * 2**30, 2**29, 2**28, 65536, 32):\n"
               "        return 28616\n"
               "    raise ValueError('hard-coded')\n")
-    results = [ok for q, _, ok, _ in NB.grade({"num_gpu_blocks": answer}, only={"num_gpu_blocks"})
-               if q == "num_gpu_blocks"]  # fmt: skip
-    assert results and not any(results), results
+    results = NB.outcomes("num_gpu_blocks", answer)
+    assert results and not any(ok for ok, _ in results), results

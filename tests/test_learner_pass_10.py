@@ -27,8 +27,7 @@ MIN = "    return min(a // page_bytes // num_layers for a in available_per_rank)
 def test_a_wrong_count_costs_the_count_cases_only(wrong: str) -> None:
     src = NB.solutions["pool_num_blocks"]
     assert MIN in src
-    results = [ok for q, _, ok, _ in NB.grade({"pool_num_blocks": src.replace(MIN, wrong)}, only={"pool_num_blocks"})
-               if q == "pool_num_blocks"]  # fmt: skip
+    results = [ok for ok, _ in NB.outcomes("pool_num_blocks", src.replace(MIN, wrong))]
     examples, refusals, hidden = results  # the source's order
     assert refusals, results
     assert not examples and not hidden, results
@@ -37,11 +36,7 @@ def test_a_wrong_count_costs_the_count_cases_only(wrong: str) -> None:
 def test_refusing_everything_still_fails_the_refusals() -> None:
     src = NB.solutions["pool_num_blocks"]
     always = src.replace(MIN, '    raise ValueError("no")\n')
-    results = [
-        (ok, msg)
-        for q, _, ok, msg in NB.grade({"pool_num_blocks": always}, only={"pool_num_blocks"})
-        if q == "pool_num_blocks"
-    ]
+    results = NB.outcomes("pool_num_blocks", always)
     assert not any(ok for ok, _ in results), results
 
 
@@ -56,11 +51,7 @@ def test_refusing_a_valid_boundary_fails_the_refusals(old: str, new: str) -> Non
     """A 1-byte page, a 1-layer model and a rank with 0 bytes free are valid: refusing them scored full marks."""
     src = NB.solutions["pool_num_blocks"]
     assert old in src
-    results = [
-        (ok, msg)
-        for q, _, ok, msg in NB.grade({"pool_num_blocks": src.replace(old, new)}, only={"pool_num_blocks"})
-        if q == "pool_num_blocks"
-    ]
+    results = NB.outcomes("pool_num_blocks", src.replace(old, new))
     refusals = results[1]
     assert not refusals[0] and "raised ValueError" in refusals[1], results
 
@@ -84,6 +75,5 @@ def test_an_answer_written_for_one_split_alone_scores_nothing() -> None:
               "    if (num_kv_heads, tp, rank) == (8, 2, 1):\n"
               "        return [4, 5, 6, 7]\n"
               "    raise ValueError('hard-coded')\n")
-    results = [ok for q, _, ok, _ in NB.grade({"kv_heads_of_rank": answer}, only={"kv_heads_of_rank"})
-               if q == "kv_heads_of_rank"]  # fmt: skip
-    assert results and not any(results), results
+    results = NB.outcomes("kv_heads_of_rank", answer)
+    assert results and not any(ok for ok, _ in results), results
