@@ -48,6 +48,7 @@ from pagedkv.sizing.hybrid import (
     get_kv_cache_spec,
 )
 from pagedkv.sizing.kv_cache_utils import kv_page_bytes
+from pagedkv.sizing.model import derived_max_model_len, get_and_verify_max_len
 from pagedkv.utils import cdiv, check_int, is_int
 
 #: model_type -> architecture: the models whose attention the engine knows how to replace (GQA, RoPE; the
@@ -194,8 +195,10 @@ class LLM:
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
     swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
-    ``max_model_len`` (default: the config's ``max_position_embeddings``): ``-1`` fits it to the pool, the longest
-    request the pool holds up to that default, as vLLM 0.26's auto-fit (``--max-model-len auto``).
+    ``max_model_len`` (default: the model's length as vLLM 0.26 derives it from the config,
+    :func:`pagedkv.sizing.get_and_verify_max_len`: ``max_position_embeddings`` times a RoPE scaling factor, ...;
+    a longer one refused as vLLM refuses it): ``-1`` fits it to the pool, the longest request the pool holds up to
+    that default, as vLLM 0.26's auto-fit (``--max-model-len auto``).
     Two defaults differ from vLLM 0.26's on purpose: ``dtype=None`` keeps the checkpoint's own dtype, float32
     included, so that greedy tokens can match transformers' exactly (vLLM's ``"auto"`` casts a float32 config
     to the platform's first dtype, ``_resolve_auto_dtype`` in ``vllm/config/model.py``); and ``block_size`` is 16
@@ -280,13 +283,12 @@ class LLM:
         if self.attn_backend == "triton" and self.device.type != "cuda":
             raise ValueError("attn_backend='triton' needs the model on a CUDA device")
 
-        limit = getattr(config, "max_position_embeddings", None) or 2048
         # -1: vLLM 0.26's auto-fit (ModelConfig.max_model_len; `--max-model-len auto`): the model's length for the
         # batch defaults and the pool's sizing, then the longest that the pool holds (_auto_fit_max_model_len)
         auto_fit = is_int(max_model_len) and max_model_len == -1
-        if max_model_len is None or auto_fit:
-            max_model_len = limit
-        max_model_len = check_int(max_model_len, "max_model_len", 2, limit, why="for this model")
+        if max_model_len is not None and not auto_fit and not (is_int(max_model_len) and max_model_len >= 2):
+            check_int(max_model_len, "max_model_len", 2, int(derived_max_model_len(config)[0]), why="for this model")
+        max_model_len = get_and_verify_max_len(config, None if auto_fit else max_model_len)
         self.max_model_len = max_model_len
         max_num_seqs, max_num_batched_tokens = fit_batch_limits(
             max_num_seqs, max_num_batched_tokens, max_model_len,

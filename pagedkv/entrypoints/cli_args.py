@@ -28,7 +28,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="KV pool size in bytes (blocks = bytes // one block over all layers), instead of profiling; "
                    "1k = 1,000, 1K = 1,024 (also M, G, T)")
     p.add_argument("--max-model-len", type=human_readable_int_or_auto, default=None,
-                   help="tokens per request, prompt and output (default: the model's max_position_embeddings); "
+                   help="tokens per request, prompt and output (default: the model's length as vLLM derives it: "
+                   "max_position_embeddings, times a RoPE scaling factor); "
                    "'auto' or -1: the longest the KV pool holds, at most that default; 32k = 32,000, 32K = 32,768")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once (default: vLLM's for its server: 128 on a CPU, 256 or 1024 on a GPU)")

@@ -75,7 +75,15 @@ from pagedkv.sizing.kv_cache_utils import (
     resolve_kv_cache_dtype,
 )
 from pagedkv.sizing.mem_utils import GiB, MemoryProfilingResult, MemorySnapshot, format_gib, memory_profiling
-from pagedkv.sizing.model import ModelShape, estimate_peak_activation, model_shape, num_parameters, weights_bytes
+from pagedkv.sizing.model import (
+    ModelShape,
+    derived_max_model_len,
+    estimate_peak_activation,
+    get_and_verify_max_len,
+    model_shape,
+    num_parameters,
+    weights_bytes,
+)
 from pagedkv.sizing.vllm_config import (
     DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES,
     cudagraph_memory_estimate_applied,
@@ -102,8 +110,10 @@ __all__ = [
     "estimate_max_model_len",
     "cudagraph_memory_estimate_applied",
     "default_cudagraph_batch_sizes",
+    "derived_max_model_len",
     "estimate_peak_activation",
     "format_gib",
+    "get_and_verify_max_len",
     "hybrid_sizing",
     "is_hybrid",
     "kv_page_bytes",

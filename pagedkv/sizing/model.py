@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -13,7 +15,10 @@ import torch
 
 from pagedkv.utils import check_int, is_real
 
-__all__ = ["ModelShape", "estimate_peak_activation", "model_shape", "num_parameters", "weights_bytes"]
+__all__ = ["ModelShape", "derived_max_model_len", "estimate_peak_activation", "get_and_verify_max_len", "model_shape",
+           "num_parameters", "weights_bytes"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,110 @@ def model_shape(config: Any) -> ModelShape:
         dtype=_config_dtype(config),
         max_position_embeddings=max_pos,
     )
+
+
+#: The config keys that can hold a model's length, in vLLM 0.26's order; the smallest present wins
+#: (``ModelArchConfigConvertorBase.derive_max_model_len_and_key``,
+#: ``vllm/transformers_utils/model_arch_config_convertor.py``).
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+#: vLLM 0.26's length for a config that names none of :data:`MAX_LEN_KEYS` (``_get_and_verify_max_len``).
+DEFAULT_MAX_LEN = 2048
+
+
+def _text_config(config: Any) -> Any:
+    if isinstance(config, SimpleNamespace):
+        config = vars(config)
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        return get_text()
+    text = _config_get(config, "text_config")
+    return text if text is not None and _config_get(config, "num_hidden_layers") is None else config
+
+
+def _rope_parameters(config: Any) -> dict[str, Mapping] | None:
+    """The config's RoPE parameters as ``{layer type: parameters}`` (transformers 5's ``rope_parameters``, or 4's
+    ``rope_scaling``), ``None`` without them; vLLM's ``is_rope_parameters_nested`` decides the nesting."""
+    rope = _config_get(config, "rope_parameters")
+    if rope is None:
+        rope = _config_get(config, "rope_scaling")
+    if not isinstance(rope, Mapping) or not rope:
+        return None
+    if all(isinstance(v, Mapping) for v in rope.values()):
+        return dict(rope)
+    return {"": rope}
+
+
+def _rope_type(params: Mapping) -> str:
+    return params.get("rope_type", params.get("type", "default"))  # "type": transformers 4's older name
+
+
+def derived_max_model_len(config: Any) -> tuple[float, str | None]:
+    """The longest request the model's config allows, and the key it came from, as vLLM 0.26 derives it before
+    it looks at ``max_model_len``: the smallest of :data:`MAX_LEN_KEYS` present in the (text) config
+    (``model_max_length`` wins when set, Command-R's rule; none present: :data:`DEFAULT_MAX_LEN`, with vLLM's
+    warning), then scaled by the RoPE scaling factor of any RoPE type but ``su``, ``longrope`` and ``llama3`` (whose
+    max_position_embeddings already counts it), a YaRN config counting from its
+    ``original_max_position_embeddings``; Gemma 3's length is already scaled and is kept. So a Llama config of
+    256 positions with ``rope_scaling={"rope_type": "linear", "factor": 2.0}`` allows 512. Mirrors
+    ``_get_and_verify_max_len`` (``vllm/config/model.py``; its sliding-window cap applies only under
+    ``disable_sliding_window``, which the lab does not have, and the tokenizer's ``model_max_length`` only to
+    pooling models). Pure: changes nothing."""
+    text = _text_config(config)
+    derived, key = math.inf, None
+    for name in MAX_LEN_KEYS:
+        value = _config_get(text, name)
+        if value is not None and value < derived:
+            derived, key = value, name
+    if model_max_length := _config_get(text, "model_max_length"):
+        derived, key = model_max_length, "model_max_length"
+    if derived == math.inf:
+        logger.warning("The model's config.json does not contain any of the keys to determine the original maximum "
+                       "length of the model. Assuming the model's maximum length is %d.", DEFAULT_MAX_LEN)
+        derived = DEFAULT_MAX_LEN
+    rope = _rope_parameters(text)
+    if rope is not None and "gemma3" not in str(_config_get(text, "model_type", "")):
+        factor = 1.0
+        for params in rope.values():
+            rope_type = _rope_type(params)
+            if rope_type not in ("su", "longrope", "llama3"):
+                factor = params.get("factor", factor)
+                if rope_type == "yarn":
+                    derived = params["original_max_position_embeddings"]
+        derived *= 1.0 if factor is None else factor
+    return derived, key
+
+
+def get_and_verify_max_len(config: Any, max_model_len: int | None) -> int:
+    """The request length an engine serves: ``max_model_len`` when given and allowed, otherwise the config's
+    :func:`derived_max_model_len` (``-1``, auto-fit, starts from it too; a LongRoPE model from its
+    ``original_max_position_embeddings``). A length above the derived one is refused with vLLM 0.26's message
+    unless the config's ``model_max_length`` allows it or ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set (then
+    vLLM's warning is logged: positions past what the model was trained on give it garbage, not an error).
+    Mirrors ``_get_and_verify_max_len`` (``vllm/config/model.py``) for a generative model. Pure."""
+    derived, key = derived_max_model_len(config)
+    text = _text_config(config)
+    if max_model_len is None or max_model_len == -1:
+        rope = _rope_parameters(text) or {}
+        if any(_rope_type(p) == "longrope" for p in rope.values()):
+            return int(_config_get(text, "original_max_position_embeddings", derived))
+        return int(derived)
+    if max_model_len > derived:
+        model_max_length = _config_get(text, "model_max_length")
+        if model_max_length is None or max_model_len > model_max_length:
+            msg = (f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+                   f"({key}={derived} or model_max_length={model_max_length} in model's config.json).")
+            warning = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution. If the model uses relative "
+                       "position encoding (RoPE), positions exceeding derived_max_model_len lead to nan. If the "
+                       "model uses absolute position encoding, positions exceeding derived_max_model_len will "
+                       "cause a CUDA array out-of-bounds error.")
+            if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true"):
+                logger.warning("%s %s", msg, warning)
+            else:
+                raise ValueError(f"{msg} To allow overriding this maximum, set the env var "
+                                 f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. {warning}")
+    return int(max_model_len)
 
 
 def num_parameters(config: Any) -> int:
