@@ -207,6 +207,24 @@ def test_max_tokens_none_generates_up_to_max_model_len(llm):
     assert engine_state(llm) == before
 
 
+@pytest.mark.parametrize("length, message", [
+    (64, r"prompt 1: The decoder prompt \(length 64\) plus the number of requested output tokens \(at least 1\) is "
+         r"longer than the maximum model length of 64\. Make sure that `max_model_len` is no smaller than the number "
+         r"of text tokens \(prompt \+ requested output tokens\)\."),
+    (65, r"prompt 1: The decoder prompt \(length 65\) is longer than the maximum model length of 64\. Make sure that "
+         r"`max_model_len` is no smaller than the number of text tokens\."),
+])
+def test_a_prompt_with_no_room_is_refused_in_vllms_words(llm, length, message):
+    """vLLM 0.26 refuses a prompt as long as ``max_model_len`` (no room for one new token) or longer, with two
+    messages of its own (``InputProcessor._validate_prompt_len``); one shorter by one generates one token."""
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPT, [1] * length], GREEDY, use_tqdm=False)
+    assert engine_state(llm) == before
+    out = llm.generate([[1] * 63], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (1, "length")
+
+
 def test_a_stop_tokens_text_is_not_in_the_output():
     """vLLM 0.26's detokenizer skips the text of the token that stopped a request (a stop token id or EOS) unless
     ``include_stop_str_in_output`` (``IncrementalDetokenizer.update(..., stop_terminated)``); its id stays in

@@ -584,10 +584,18 @@ class LLM:
         return ids, texts
 
     def _check_fits(self, i: int, prompt_len: int, max_tokens: int) -> None:
-        if prompt_len >= self.max_model_len:
+        # vLLM 0.26's words (InputProcessor._validate_prompt_len, vllm/v1/engine/input_processor.py), after the
+        # prompt's index in the call
+        if prompt_len > self.max_model_len:
             raise ValueError(
-                f"prompt {i} has {prompt_len} tokens: it must be shorter than max_model_len={self.max_model_len} "
-                "(room for at least one new token)"
+                f"prompt {i}: The decoder prompt (length {prompt_len}) is longer than the maximum model length of "
+                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text tokens."
+            )
+        if prompt_len == self.max_model_len:
+            raise ValueError(
+                f"prompt {i}: The decoder prompt (length {prompt_len}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {self.max_model_len}. Make sure that "
+                "`max_model_len` is no smaller than the number of text tokens (prompt + requested output tokens)."
             )
         # with KV cache groups, a sliding-window group holds at most its window's worth (the scheduler's rule)
         need = (cdiv(prompt_len + max_tokens, self.block_size) if self.kv_cache_config is None
