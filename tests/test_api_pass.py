@@ -97,7 +97,7 @@ def test_an_empty_token_list_prompt_is_called_empty():
     torch.set_num_threads(1)
     llm = LLM(tiny_llama(), num_gpu_blocks=16, block_size=8, max_model_len=64)
     for prompts in ([[]], [[5, 6], []], [()]):
-        with pytest.raises(ValueError, match=r"prompt \d is empty"):
+        with pytest.raises(ValueError, match=r"prompt \d: The decoder prompt cannot be empty"):
             llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert llm.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 15
     assert not llm.scheduler.requests

@@ -321,7 +321,7 @@ def test_stop_token_ids_and_eos(llama, prompts, llama_refs):
 # ---------------------------------------------------------------------------------------------------------
 def test_bad_inputs_clear_errors_engine_still_usable(llama, prompts, llama_refs):
     llm = LLM(llama, num_gpu_blocks=10, block_size=8, max_model_len=128)
-    with pytest.raises(ValueError, match="max_model_len=128"):
+    with pytest.raises(ValueError, match="longer than the maximum model length of 128"):
         llm.generate([prompts[0], [1] * 130], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"num_gpu_blocks >= 11"):  # 80 tokens: 10 blocks + the null one
         llm.generate([prompts[0], [1] * 60], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)

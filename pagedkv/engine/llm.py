@@ -576,10 +576,13 @@ class LLM:
                 texts.append(None)
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+            # vLLM 0.26's words (InputProcessor._validate_prompt_len and _validate_model_input), after the index
             if not tokens:
-                raise ValueError(f"prompt {i} is empty")
-            if any(not 0 <= t < vocab for t in tokens):
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{vocab - 1}")
+                raise ValueError(f"prompt {i}: The decoder prompt cannot be empty")
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:  # the largest id, as vLLM names it; a negative one (which vLLM lets through) when none is
+                raise ValueError(f"prompt {i}: Token id {max(bad) if max(bad) >= vocab else min(bad)} is out of "
+                                 f"vocabulary (the model's ids are 0..{vocab - 1})")
             ids.append(tokens)
         return ids, texts
 
