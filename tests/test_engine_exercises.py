@@ -26,6 +26,7 @@ def test_the_source_has_every_question_with_public_and_hidden_tests() -> None:
         assert False in tests and True in tests, f"{q} needs public and hidden tests"
 
 
+@pytest.mark.slow  # 3-7 s alone: out of the fast tier (./lab test --fast)
 def test_solution_passes_and_stub_fails_every_test() -> None:
     results = NB.grade({})
     assert len(results) == 8 and all(ok for *_, ok, _ in results), [(q, m) for q, _, ok, m in results if not ok]

@@ -258,6 +258,7 @@ def _library_defs() -> dict[str, ast.AST]:
     return out
 
 
+@pytest.mark.slow  # 3-7 s alone: out of the fast tier (./lab test --fast)
 def test_no_other_function_computes_a_listed_answer():
     """The page size was written three times (``kv_page_bytes``, the profile's ``page = ...``, the per-rank
     ``kv_page_bytes_per_rank``), so a learner could read set 05's answer from ``analytic_profile(...).page_size_bytes``

@@ -127,6 +127,7 @@ def test_no_network():
             server.accept()
 
 
+@pytest.mark.slow  # 3-7 s alone: out of the fast tier (./lab test --fast)
 @needs_bwrap
 def test_memory_is_bounded_for_the_whole_sandbox():
     """Route: forked children of 2 GiB each (here 3 x 400 MiB under a 768 MiB sandbox): where a cgroup can be

@@ -32,6 +32,7 @@ def test_kernels_is_pagedkv_kernels():
     assert pathlib.Path(pagedkv.kernels.__file__).resolve().parent == ROOT / "kernels"
 
 
+@pytest.mark.slow  # 3-7 s alone: out of the fast tier (./lab test --fast)
 def test_the_repo_root_on_sys_path_does_not_shadow_hugging_faces_kernels():
     """transformers imports Hugging Face's ``kernels`` (a dependency of transformers 5.25); from the repository
     root (``python -m``, an xdist worker) the lab's kernels/ folder was found first and every model failed to

@@ -585,6 +585,7 @@ def test_bench_serve_against_the_server(srv, tmp_path):
     assert out["timeseries"] and out["max_running"] >= 1
 
 
+@pytest.mark.slow  # 3-7 s alone: out of the fast tier (./lab test --fast)
 def test_compare_interleaves_the_modes_and_aggregate_takes_the_median(srv, tmp_path):
     """compare(): repetition, then rate, then mode, each run tagged; aggregate(): one row per (mode, rate) with
     the median and the min-max of the main figures, which format_table and plot show."""

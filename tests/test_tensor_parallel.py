@@ -374,6 +374,7 @@ def test_ctrl_c_and_a_dead_worker(tmp_path):
     assert _wait_gone(_pids(proc.stdout)) == []
 
 
+@pytest.mark.slow  # 3-7 s alone: out of the fast tier (./lab test --fast)
 def test_ctrl_c_while_a_reply_is_read_leaves_the_pipe_at_a_message_boundary(tmp_path):
     """A Ctrl-C that lands while the engine reads a worker's reply (the reply's first bytes have arrived, the
     rest is on its way) is raised only once the whole reply is read: the next request's reply is read intact.

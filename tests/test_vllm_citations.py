@@ -285,6 +285,7 @@ def check(cites: list[Citation], src: Path) -> list[str]:
     return failures
 
 
+@pytest.mark.slow  # 3-7 s alone: out of the fast tier (./lab test --fast)
 def test_citations_of_vllm_name_files_and_symbols_that_vllm_026_has():
     src = vllm_src()
     if src is None:
