@@ -317,7 +317,7 @@ def test_add_special_tokens_as_vllm():
         def __call__(self, text, add_special_tokens=True):
             return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
 
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt, continue_final_message):
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, continue_final_message, **kwargs):
             return "".join(m["content"] for m in messages)
 
     serving = OpenAIServing(SimpleNamespace(tokenizer=BOS()), ["m"], "m")

@@ -38,6 +38,7 @@ from pagedkv.engine.output_processor import RequestState, decode_output
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.entrypoints.chat_utils import render_chat
 from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from pagedkv.kv_cache_manager import KVCacheManager
 from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
@@ -546,7 +547,8 @@ class LLM:
     # ------------------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Any) -> tuple[list[list[int]], list[str | None]]:
         """Each prompt's token ids and text. A prompt is a string, a list of token ids, or vLLM's dict forms
-        ``{"prompt": text}`` (``TextPrompt``) and ``{"prompt_token_ids": ids}`` (``TokensPrompt``)."""
+        ``{"prompt": text}`` (``TextPrompt``) and ``{"prompt_token_ids": ids}`` (``TokensPrompt``, its text
+        optionally beside the ids as ``"prompt"``: not tokenized again, only shown in the output)."""
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
         if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
@@ -558,14 +560,18 @@ class LLM:
         texts: list[str | None] = []
         vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
+            text = None
             if isinstance(p, Mapping):
-                if set(p) == {"prompt_token_ids"}:
+                if set(p) in ({"prompt_token_ids"}, {"prompt_token_ids", "prompt"}) and \
+                        isinstance(p.get("prompt", ""), str):
+                    text = p.get("prompt")  # a TokensPrompt's text, what the output's prompt shows (LLM.chat)
                     p = p["prompt_token_ids"]
                 elif set(p) == {"prompt"} and isinstance(p["prompt"], str):
                     p = p["prompt"]
                 else:
-                    raise ValueError(f"prompt {i}: a dict prompt has one key, 'prompt_token_ids' (a list of token "
-                                     f"ids) or 'prompt' (a string); got keys {sorted(map(str, p))}")
+                    raise ValueError(f"prompt {i}: a dict prompt is {{'prompt_token_ids': ids}} (its text as "
+                                     f"'prompt' beside them, optional) or {{'prompt': text}}; got keys "
+                                     f"{sorted(map(str, p))}")
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("text prompts need a tokenizer; this model has none: pass token ids")
@@ -573,7 +579,7 @@ class LLM:
                 texts.append(p)
             elif _is_token_list(p) or isinstance(p, np.ndarray) or (isinstance(p, (list, tuple)) and not p):
                 tokens = _token_ids(i, p)  # an empty list too: refused below as empty, not as "not a list"
-                texts.append(None)
+                texts.append(text)
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
             # vLLM 0.26's words (InputProcessor._validate_prompt_len and _validate_model_input), after the index
@@ -635,6 +641,50 @@ class LLM:
                 warnings.warn(f"the model's generation config sets {ignored}, which the lab's sampler does not "
                               "implement: sampling without them (vLLM applies them)", stacklevel=3)
         return self.default_sampling_params
+
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (``None`` for a model given without one). Mirrors ``LLM.get_tokenizer``
+        (``vllm/entrypoints/llm.py``)."""
+        return self.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the replies to one conversation (a list of ``{"role", "content"}`` messages) or to a list of
+        them, one :class:`RequestOutput` each. Each conversation is rendered to text by the tokenizer's chat
+        template (or ``chat_template``), with ``add_generation_prompt``, ``continue_final_message``, ``tools`` and
+        ``chat_template_kwargs`` passed to it, then tokenized without special tokens (the template writes its
+        own, a BOS among them) and generated as :meth:`generate` does; the output's ``prompt`` is the rendered
+        text. Every conversation is rendered before anything is queued (``ValueError``, the engine unchanged).
+        Mirrors ``LLM.chat`` (``vllm/entrypoints/llm.py``; the rendering, ``HfRenderer.render_messages`` in
+        ``vllm/renderers/hf.py``, tokenized with ``add_special_tokens=False`` as
+        ``BaseRenderer.default_chat_tok_params`` in ``vllm/renderers/base.py`` says:
+        :func:`pagedkv.entrypoints.chat_utils.render_chat`, as ``pagedkv serve`` renders). Content given as
+        OpenAI's list of parts is its text parts joined by newlines; an image or other media part is refused."""
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer with a chat template; this model has none: use generate "
+                             "with token ids")
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+            raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+                             "dicts) or a list of conversations")
+        one = all(isinstance(m, Mapping) for m in messages)  # vLLM's conversation_to_seq
+        prompts = []
+        for i, conversation in enumerate([messages] if one else messages):
+            text, ids = render_chat(self.tokenizer, conversation, chat_template=chat_template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs,
+                                    where="messages" if one else f"conversation {i}")
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
         self,

@@ -43,6 +43,7 @@ from pagedkv.engine.metrics import CONTENT_TYPE_LATEST
 from pagedkv.engine.output_processor import CompletionDelta
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.entrypoints import protocol as P
+from pagedkv.entrypoints.chat_utils import render_chat
 from pagedkv.entrypoints.cli_args import make_arg_parser
 
 
@@ -239,21 +240,17 @@ class OpenAIServing:
         if request.untrusted_chat_template():  # vLLM's message
             raise ServingError("Chat template is passed with request, but --trust-request-chat-template is not set. "
                                "Refused request with untrusted chat template.", HTTPStatus.BAD_REQUEST)
-        messages = []
-        for m in request.messages:
-            content = m.content
-            if isinstance(content, list):  # OpenAI's content parts: keep the text ones
-                content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
-            messages.append({"role": m.role, "content": content or ""})
-        try:  # the template's refusals (jinja2's TemplateError too) are the request's fault: a 400, as in vLLM
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=request.add_generation_prompt,
-                                                      continue_final_message=request.continue_final_message)
+        try:  # a non-text part, and the template's refusals (jinja2's TemplateError too), are the request's fault:
+            # a 400, as in vLLM
+            _, ids = render_chat(self.tokenizer, [m.model_dump() for m in request.messages],
+                                 add_generation_prompt=request.add_generation_prompt,
+                                 continue_final_message=request.continue_final_message,
+                                 add_special_tokens=request.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - create_error_response's ValueError and TemplateError cases
             if not isinstance(exc, ValueError) and not any(c.__name__ == "TemplateError" for c in type(exc).__mro__):
                 raise
             raise ServingError(str(exc), HTTPStatus.BAD_REQUEST) from None
-        return self.tokenize(text, add_special_tokens=request.add_special_tokens)
+        return ids
 
     def sampling_params(self, request: P._SamplingFields, max_tokens: int) -> SamplingParams:
         """vLLM's ``to_sampling_params``: a field the request leaves out is the engine's default
