@@ -258,3 +258,17 @@ def test_stream_holds_back_a_possible_stop_string_only_when_it_would_be_cut(incl
     shown = "".join(state.add_tokens([t], None, None, 0.0).text for t in ids)
     text = tok.decode(ids, skip_special_tokens=True)
     assert shown == text[:len(text) - held]
+
+
+def test_reset_prefix_cache_as_vllms_llm(llm):
+    """``LLM.reset_prefix_cache`` (vLLM 0.26's; the lab's LLM had none): the cached prefix of one call is found by
+    the next, and is gone after a reset; the tokens do not change. A bad argument changes nothing."""
+    prompt = [PROMPT * 5]  # 30 tokens: three full blocks of 8
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 24
+    with pytest.raises(ValueError, match="reset_running_requests must be a bool"):
+        llm.reset_prefix_cache("yes")
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 24
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -159,6 +159,12 @@ class EngineCore:
             self._forget(rid)
         return done
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix: ``False`` (nothing changed) while requests hold blocks, unless
+        ``reset_running_requests``, which preempts them first. Mirrors ``EngineCore.reset_prefix_cache``
+        (``vllm/v1/engine/core.py``), which hands it to the scheduler."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
     def _process_aborts_queue(self) -> None:
         ids: list[str] = []
         while not self.aborts_queue.empty():

@@ -798,6 +798,16 @@ class LLM:
                 continue
             core._update_from_output(so, output)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix (each cached block's hash; the blocks stay free), so the next requests
+        compute every token again: what a benchmark does between runs, or a server after a weight update. Between
+        two ``generate`` calls no request holds blocks and it returns ``True``; ``reset_running_requests`` preempts
+        any that do first (``False`` without it, nothing changed). Mirrors ``LLM.reset_prefix_cache``
+        (``vllm/entrypoints/llm.py``; vLLM's ``reset_connector`` has no counterpart here)."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError(f"reset_running_requests must be a bool, got {reset_running_requests!r}")
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
+
     @staticmethod
     def _record(completion: _Completion, out: EngineCoreOutput) -> None:
         completion.token_ids.extend(out.new_token_ids)
