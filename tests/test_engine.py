@@ -199,8 +199,12 @@ def test_loads_a_local_folder_with_and_without_a_tokenizer(llama, prompts, llama
     outs = llm.generate([{"prompt": text}, {"prompt_token_ids": prompts[1]}, prompts[2]], GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == prompts[:3] and outs[0].prompt == text and outs[1].prompt is None
     assert_matches_hf(outs, llama_refs[:3], "dict prompts")
-    with pytest.raises(ValueError, match="one key"):
+    with pytest.raises(ValueError, match="a dict prompt is"):
         llm.generate([{"prompt_token_ids": prompts[0], "extra": 1}], GREEDY, use_tqdm=False)
+    # a TokensPrompt may carry its text beside the ids (what LLM.chat passes): shown, not tokenized again
+    (both,) = llm.generate({"prompt_token_ids": prompts[0], "prompt": "shown"}, GREEDY, use_tqdm=False)
+    assert both.prompt == "shown" and both.prompt_token_ids == prompts[0]
+    assert_matches_hf([both], llama_refs[:1], "a TokensPrompt with its text")
 
 
 def test_prefix_caching_shared_system_prompt(llama):
