@@ -272,3 +272,44 @@ def test_reset_prefix_cache_as_vllms_llm(llm):
     assert llm.reset_prefix_cache() is True
     again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def _generate_watching_the_order(llm: LLM, prompts, priority) -> tuple[list[str], list]:
+    """``llm.generate(prompts, GREEDY, priority=priority)``'s outputs, and the request ids in the order the
+    scheduler first gave each of them tokens."""
+    order: list[str] = []
+    schedule = llm.scheduler.schedule
+
+    def spy(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        order.extend(rid for rid in out.num_scheduled_tokens if rid not in order)
+        return out
+
+    llm.scheduler.schedule = spy
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=priority)
+    finally:
+        del llm.scheduler.schedule
+    return order, outs
+
+
+def test_priority_scheduling_through_the_llm_as_vllms():
+    """``LLM(scheduling_policy="priority")`` and ``generate(..., priority=[...])`` (vLLM 0.26's; the lab's LLM had
+    neither, only the scheduler of lesson 4): one request at a time, the lowest priority value first; under
+    ``"fcfs"`` the priorities are ignored, as in vLLM. Bad priorities are refused, nothing queued."""
+    prompts = [[1, 2, 3, i + 4] for i in range(3)]
+    for policy, want in (("priority", ["1", "2", "0"]), ("fcfs", ["0", "1", "2"])):
+        llm = LLM(tiny_llama(), num_gpu_blocks=40, block_size=8, max_num_seqs=1, scheduling_policy=policy)
+        order, outs = _generate_watching_the_order(llm, prompts, [2, 0, 1])
+        assert order == want, (policy, order)
+        assert [o.request_id for o in outs] == ["0", "1", "2"]  # the outputs stay in prompt order
+        alone = llm.generate(prompts[0], GREEDY, use_tqdm=False)[0]
+        assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    before = engine_state(llm)
+    for bad, message in (([0, 1], r"The lengths of prompts \(3\) and priority \(2\) must be the same\."),
+                         ([0, True, 1], r"priority\[1\] must be an int, got True"), ("012", "priority must be a list")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompts, GREEDY, use_tqdm=False, priority=bad)
+    assert engine_state(llm) == before
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
+        LLM(tiny_llama(), num_gpu_blocks=40, block_size=8, scheduling_policy="lifo")

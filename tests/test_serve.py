@@ -712,3 +712,19 @@ def test_a_missing_local_model_folder_and_bad_overrides_are_named():
             build_engine(make_arg_parser().parse_args([path]))
     with pytest.raises(ValueError, match=r"^--hf-overrides is not valid JSON \("):
         build_engine(make_arg_parser().parse_args(["tiny", "--hf-overrides", "{bad"]))
+
+
+def test_scheduling_policy_flag_reaches_the_scheduler_as_vllms():
+    """``--scheduling-policy priority`` (vLLM's flag; the lab's server had none, so a request's ``priority``
+    field was always ignored): the engine's scheduler orders its waiting queue by priority, also after
+    ``--kv-reservation contiguous`` swaps the scheduler."""
+    from pagedkv.request_queue import SchedulingPolicy
+
+    for extra in ([], ["--kv-reservation", "contiguous"]):
+        args = make_arg_parser().parse_args(["tiny", "--max-model-len", "64", "--num-gpu-blocks", "40",
+                                             "--scheduling-policy", "priority", *extra])
+        engine, _ = build_engine(args)
+        assert engine.llm.scheduler.policy is SchedulingPolicy.PRIORITY
+    assert make_arg_parser().parse_args(["tiny"]).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        make_arg_parser().parse_args(["tiny", "--scheduling-policy", "lifo"])

@@ -196,6 +196,8 @@ class LLM:
     ``attn_backend``: ``"torch"`` (any device; the CPU default) or ``"triton"`` (the lab's kernels; CUDA
     only; the CUDA default, decode steps in CUDA graphs unless ``enforce_eager``). ``num_cpu_blocks``: the
     swap space for ``preemption_mode="swap"`` (default: as many blocks as the GPU pool, at most 4 GiB of them).
+    ``scheduling_policy`` (vLLM's ``--scheduling-policy``): ``"fcfs"``, or ``"priority"``, lesson 4's queue ordered
+    by each request's ``priority`` (``generate(..., priority=[...])``) then arrival.
     ``max_model_len`` (default: the model's length as vLLM 0.26 derives it from the config,
     :func:`pagedkv.sizing.get_and_verify_max_len`: ``max_position_embeddings`` times a RoPE scaling factor, ...;
     a longer one refused as vLLM refuses it): ``-1`` fits it to the pool, the longest request the pool holds up to
@@ -232,6 +234,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
+        scheduling_policy: str = "fcfs",
         attn_backend: str | None = None,
         dtype: torch.dtype | str | None = None,
         device: str | torch.device | None = None,
@@ -254,6 +257,8 @@ class LLM:
             max_num_batched_tokens = check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if scheduling_policy not in ("fcfs", "priority"):  # vLLM's SchedulerConfig.policy
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if attn_backend is not None and attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS} or None, got {attn_backend!r}")
         _check_usage_context(usage_context)  # before the model loads (batch_defaults checks it again after)
@@ -354,7 +359,7 @@ class LLM:
             # vLLM 0.26: SchedulerConfig.get_scheduler_cls() gives AsyncScheduler when async_scheduling is on
             scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
             self.scheduler = scheduler_cls(
-                self.kv_cache_manager, max_num_seqs, max_num_batched_tokens,
+                self.kv_cache_manager, max_num_seqs, max_num_batched_tokens, policy=scheduling_policy,
                 preemption_mode=preemption_mode, num_cpu_blocks=num_cpu_blocks,
             )
             if self.executor is not None:  # lesson 10: every rank allocates its shard of the same pool
@@ -691,13 +696,28 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts`` (strings need a tokenizer; token-id lists always work).
         ``sampling_params``: one for all prompts or one per prompt. Returns one :class:`RequestOutput` per
         prompt, in prompt order, each with ``n`` completions. Every input is checked before anything is queued
         (``ValueError``, the engine unchanged); if generation is interrupted its requests are aborted, so the
-        engine stays usable. Mirrors ``LLM.generate`` (``vllm/entrypoints/llm.py``)."""
+        engine stays usable. ``priority``: one int per prompt, lower first, for ``scheduling_policy="priority"``
+        (under ``"fcfs"`` it is ignored, as in vLLM). Mirrors ``LLM.generate`` (``vllm/entrypoints/llm.py``)."""
         prompt_ids, texts = self._tokenize(prompts)
+        if priority is None:  # vLLM's _priority_to_seq
+            priorities = [0] * len(prompt_ids)
+        else:
+            if isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Sequence):
+                raise ValueError(f"priority must be a list of ints, one per prompt, got {type(priority).__name__}")
+            priorities = list(priority)
+            if len(priorities) != len(prompt_ids):
+                raise ValueError(f"The lengths of prompts ({len(prompt_ids)}) and priority ({len(priorities)}) must "
+                                 "be the same.")
+            for i, value in enumerate(priorities):
+                if not is_int(value):
+                    raise ValueError(f"priority[{i}] must be an int, got {value!r}")
+            priorities = [int(v) for v in priorities]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -728,7 +748,8 @@ class LLM:
             for j in range(params.n):  # vLLM's ParentRequest: n requests, seeds seed + j
                 child = params.for_child(j) if params.n > 1 else params
                 rid = base if j == 0 else f"{base}-{j}"
-                requests.append(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens)))
+                requests.append(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens),
+                                                  priority=priorities[i]))
                 completions[rid] = _Completion(i, j, include_stop_str_in_output=child.include_stop_str_in_output)
                 if child.stop:  # the API side's stop-string check, as AsyncLLM's (output_processor.RequestState)
                     completions[rid].stop_state = RequestState(rid, j, list(ids), child, list(child.stop),

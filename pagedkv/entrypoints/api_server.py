@@ -644,7 +644,8 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
-                  preemption_mode=args.preemption_mode, dtype=args.dtype, seed=args.seed,
+                  preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
+                  dtype=args.dtype, seed=args.seed,
                   enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device,
                   usage_context="OPENAI_API_SERVER")  # vLLM's server's batch defaults (EngineArgs.get_batch_defaults)
     print(describe_kv_pool(llm, args, log.getvalue()), flush=True)
@@ -701,7 +702,8 @@ def reserve_contiguous(llm: Any) -> None:
     manager = ContiguousKVCacheManager(llm.num_gpu_blocks, llm.block_size, llm.max_model_len)
     llm.kv_cache_manager = manager
     llm.scheduler = type(old)(manager, old.max_num_running_reqs, old.max_num_batched_tokens,
-                              preemption_mode=old.preemption_mode, num_cpu_blocks=old.cpu_block_pool.num_blocks)
+                              policy=old.policy.value, preemption_mode=old.preemption_mode,
+                              num_cpu_blocks=old.cpu_block_pool.num_blocks)
     core = getattr(llm, "engine_core", None)
     if core is not None:
         core.scheduler = llm.scheduler

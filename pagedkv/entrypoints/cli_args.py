@@ -38,6 +38,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    "most max-num-seqs whole sequences)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="'priority': the waiting queue ordered by each request's priority field (lower first), "
+                   "then arrival; 'fcfs' ignores it")
     p.add_argument("--kv-reservation", choices=("paged", "contiguous"), default="paged",
                    help="lab extension: 'contiguous' reserves max_model_len tokens per request up front "
                    "(lesson 1's policy, before paging); 'paged' allocates blocks as tokens arrive")
