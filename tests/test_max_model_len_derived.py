@@ -83,3 +83,60 @@ def test_the_engine_serves_a_linearly_scaled_llama_past_max_position_embeddings_
         LLM(model, num_gpu_blocks=64, block_size=8, max_model_len=65)
     with pytest.raises(ValueError, match=r"max_model_len must be an int in 2\.\.64 \(for this model\)"):
         LLM(model, num_gpu_blocks=64, block_size=8, max_model_len=1)
+
+
+VLLM_SIDE = """
+import json, sys
+sys.path.extend(json.loads(sys.argv[1]))
+from transformers import LlamaConfig
+from vllm.config.model import _get_and_verify_max_len
+from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
+
+out = []
+for kwargs, max_model_len in json.loads(sys.argv[2]):
+    config = LlamaConfig(**kwargs)
+    arch = type("Arch", (), {"derived_max_model_len_and_key":
+                             ModelArchConfigConvertorBase(config, config).derive_max_model_len_and_key()})()
+    try:
+        out.append(_get_and_verify_max_len(config, arch, None, max_model_len, False, None))
+    except ValueError as exc:
+        out.append(str(exc).split(" To allow")[0])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_the_length_is_vllms_own_on_a_grid_of_configs():
+    """vLLM 0.26's ``_get_and_verify_max_len`` itself (its sources fetched as the parity checks fetch them; skipped
+    when they cannot be), run on the same configs and requested lengths as the lab's: the same length, or the
+    same refusal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pagedkv.parity import available
+    from pagedkv.parity.fetch import ensure_vllm
+
+    ok, reason = available()
+    if not ok:
+        pytest.skip(f"vLLM 0.26's sources are unavailable: {reason}")
+    ropes = [None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 3.0},
+             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, LLAMA3]
+    configs = [{**BASE, "rope_scaling": r} for r in ropes] + [{**BASE, "model_max_length": 100}]
+    cases = [(c, m) for c in configs for m in (None, -1, 32, 64, 96, 97, 128)]
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", VLLM_CONFIGURE_LOGGING="0")
+    env.pop("VLLM_ALLOW_LONG_MAX_MODEL_LEN", None)
+    proc = subprocess.run([sys.executable, "-c", VLLM_SIDE, json.dumps(ensure_vllm(log=lambda _m: None).paths),
+                           json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = []
+    for kwargs, max_model_len in cases:
+        try:
+            ours.append(get_and_verify_max_len(LlamaConfig(**kwargs), max_model_len))
+        except ValueError as exc:
+            ours.append(str(exc).split(" To allow")[0])
+    assert ours == theirs, [(c, o, t) for c, o, t in zip(cases, ours, theirs, strict=True) if o != t]
+    assert len(set(map(str, theirs))) > 5  # the grid holds lengths and refusals of several kinds
