@@ -70,6 +70,8 @@ def test_content_parts_are_joined_by_newlines_and_media_refused():
     assert parse_chat_messages([{"role": "assistant", "content": None}]) == [{"role": "assistant", "content": ""}]
     with pytest.raises(ValueError, match=r"messages\[0\]: only text content parts .* got 'image_url'"):
         parse_chat_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match=r"messages\[0\]: content part 1's 'text' must be a string, got None"):
+        parse_chat_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}])
 
 
 @pytest.mark.parametrize("messages, message", [

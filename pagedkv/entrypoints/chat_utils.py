@@ -21,11 +21,13 @@ def _content_text(content: Any, where: str) -> str:
         return content
     if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
         texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise ValueError(f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are "
                                  f"supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}: content part {j}'s 'text' must be a string, got {part.get('text')!r:.80}")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
