@@ -337,7 +337,7 @@ def test_bad_inputs_clear_errors_engine_still_usable(llama, prompts, llama_refs)
         llm.generate([[VOCAB + 5]], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("hello", GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="one per prompt"):
+    with pytest.raises(ValueError, match=r"The lengths of prompts \(2\) and params \(1\) must be the same"):
         llm.generate(prompts[:2], [GREEDY], use_tqdm=False)
     assert not llm.scheduler.has_unfinished_requests()
     outputs = llm.generate(prompts[:4], GREEDY, use_tqdm=False)

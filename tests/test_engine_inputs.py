@@ -313,3 +313,16 @@ def test_priority_scheduling_through_the_llm_as_vllms():
     assert engine_state(llm) == before
     with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
         LLM(tiny_llama(), num_gpu_blocks=40, block_size=8, scheduling_policy="lifo")
+
+
+@pytest.mark.parametrize("params, message", [
+    ([GREEDY], r"The lengths of prompts \(2\) and params \(1\) must be the same\."),
+    ([GREEDY, {"temperature": 0}], r"sampling_params\[1\] must be a SamplingParams, got dict"),
+    (0.5, "sampling_params must be a SamplingParams or a list of them, one per prompt; got float"),
+])
+def test_sampling_params_of_the_wrong_kind_or_count_are_refused(llm, params, message):
+    """A list of the wrong length in vLLM's words (``_params_to_seq``); a float was a TypeError from ``list()``."""
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+    assert engine_state(llm) == before

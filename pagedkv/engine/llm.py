@@ -723,9 +723,16 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_ids)
         else:
+            if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Sequence):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them, one per prompt; got "
+                                 f"{type(sampling_params).__name__}")
             params_list = list(sampling_params)
-            if len(params_list) != len(prompt_ids) or not all(isinstance(p, SamplingParams) for p in params_list):
-                raise ValueError(f"give one SamplingParams, or one per prompt ({len(prompt_ids)})")
+            if len(params_list) != len(prompt_ids):  # vLLM's words (_params_to_seq)
+                raise ValueError(f"The lengths of prompts ({len(prompt_ids)}) and params ({len(params_list)}) must be "
+                                 "the same.")
+            for i, params in enumerate(params_list):
+                if not isinstance(params, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
         # checked again now, so a field changed after construction is refused; the engine keeps its own copies
         params_list = [p.verified() for p in params_list]
         if self.tokenizer is None and any(p.stop for p in params_list):
