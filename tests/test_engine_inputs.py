@@ -326,3 +326,22 @@ def test_sampling_params_of_the_wrong_kind_or_count_are_refused(llm, params, mes
     with pytest.raises(ValueError, match=message):
         llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
     assert engine_state(llm) == before
+
+
+def test_use_tqdm_takes_a_function_that_makes_the_bar_as_vllms(llm):
+    """vLLM's ``use_tqdm`` is a bool or a callable that makes the bar (``functools.partial(tqdm, leave=False)``);
+    the lab took a bool only. Anything else is refused, nothing queued."""
+    made = []
+
+    def make_bar(**kwargs):
+        from tqdm import tqdm
+
+        made.append(kwargs)
+        return tqdm(disable=True, **kwargs)
+
+    out = llm.generate([PROMPT, PROMPT[:3]], GREEDY, use_tqdm=make_bar)
+    assert len(out) == 2 and made == [{"total": 2, "desc": "Processed prompts", "dynamic_ncols": True}]
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match="use_tqdm must be a bool or a function"):
+        llm.generate([PROMPT], GREEDY, use_tqdm="yes")
+    assert engine_state(llm) == before

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -656,7 +656,7 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -695,7 +695,7 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts`` (strings need a tokenizer; token-id lists always work).
@@ -703,7 +703,10 @@ class LLM:
         prompt, in prompt order, each with ``n`` completions. Every input is checked before anything is queued
         (``ValueError``, the engine unchanged); if generation is interrupted its requests are aborted, so the
         engine stays usable. ``priority``: one int per prompt, lower first, for ``scheduling_policy="priority"``
-        (under ``"fcfs"`` it is ignored, as in vLLM). Mirrors ``LLM.generate`` (``vllm/entrypoints/llm.py``)."""
+        (under ``"fcfs"`` it is ignored, as in vLLM). ``use_tqdm``: a bool, or (as vLLM's) a function that makes the
+        progress bar. Mirrors ``LLM.generate`` (``vllm/entrypoints/llm.py``)."""
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            raise ValueError(f"use_tqdm must be a bool or a function that makes a tqdm bar, got {use_tqdm!r}")
         prompt_ids, texts = self._tokenize(prompts)
         if priority is None:  # vLLM's _priority_to_seq
             priorities = [0] * len(prompt_ids)
@@ -764,7 +767,10 @@ class LLM:
         self._next_id += len(prompt_ids)
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(prompt_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        if callable(use_tqdm):  # vLLM's: a function that makes the bar (functools.partial(tqdm, leave=False))
+            bar = use_tqdm(total=len(prompt_ids), desc="Processed prompts", dynamic_ncols=True)
+        else:
+            bar = tqdm(total=len(prompt_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
         left = {i: p.n for i, p in enumerate(params_list)}
         unfinished = set(completions)
         idle = 0
