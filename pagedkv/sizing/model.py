@@ -60,6 +60,15 @@ def _config_dtype(config: Any) -> torch.dtype:
 
 
 
+def _text_config(config: Any) -> Any:
+    """The language model's part of a config (vLLM's ``hf_text_config``): a multimodal config keeps its numbers in
+    ``text_config``; a ``SimpleNamespace`` is read as its dict."""
+    if isinstance(config, SimpleNamespace):
+        config = vars(config)
+    text = _config_get(config, "text_config")
+    return text if text is not None and _config_get(config, "num_hidden_layers") is None else config
+
+
 def model_shape(config: Any) -> ModelShape:
     """Read a transformers config (or any object or dict with the same attribute names) into a ModelShape.
 
@@ -70,11 +79,7 @@ def model_shape(config: Any) -> ModelShape:
     """
     if isinstance(config, ModelShape):
         return config
-    if isinstance(config, SimpleNamespace):
-        config = vars(config)
-    text = _config_get(config, "text_config")
-    if text is not None and _config_get(config, "num_hidden_layers") is None:
-        config = text  # a multimodal config keeps the language model's numbers in text_config
+    config = _text_config(config)
     num_layers = check_int(_config_get(config, "num_hidden_layers"), "config.num_hidden_layers", 1)
     num_heads = check_int(_config_get(config, "num_attention_heads"), "config.num_attention_heads", 1)
     hidden = check_int(_config_get(config, "hidden_size"), "config.hidden_size", 1)
@@ -121,16 +126,6 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 
 #: vLLM 0.26's length for a config that names none of :data:`MAX_LEN_KEYS` (``_get_and_verify_max_len``).
 DEFAULT_MAX_LEN = 2048
-
-
-def _text_config(config: Any) -> Any:
-    if isinstance(config, SimpleNamespace):
-        config = vars(config)
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        return get_text()
-    text = _config_get(config, "text_config")
-    return text if text is not None and _config_get(config, "num_hidden_layers") is None else config
 
 
 def _rope_parameters(config: Any) -> dict[str, Mapping] | None:
