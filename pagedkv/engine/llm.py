@@ -153,6 +153,17 @@ def diff_sampling_params(generation_config: Any) -> dict[str, Any]:
     return diff
 
 
+def _one_per_prompt(values: object, name: str, label: str, kind: str, num_prompts: int) -> list[Any]:
+    """``values`` as a list of one item per prompt: refuses anything but a sequence (``ValueError`` naming ``kind``)
+    and a wrong length, in vLLM's words (``_params_to_seq`` and ``_priority_to_seq``, ``label`` being theirs)."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name} must be {kind}, one per prompt; got {type(values).__name__}")
+    out = list(values)
+    if len(out) != num_prompts:
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and {label} ({len(out)}) must be the same.")
+    return out
+
+
 def _is_token_list(p: object) -> bool:
     """Whether ``p`` is one prompt of token ids rather than a list of prompts: a non-empty sequence whose first
     element is a number (its elements are checked by :func:`_token_ids`)."""
@@ -711,12 +722,7 @@ class LLM:
         if priority is None:  # vLLM's _priority_to_seq
             priorities = [0] * len(prompt_ids)
         else:
-            if isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Sequence):
-                raise ValueError(f"priority must be a list of ints, one per prompt, got {type(priority).__name__}")
-            priorities = list(priority)
-            if len(priorities) != len(prompt_ids):
-                raise ValueError(f"The lengths of prompts ({len(prompt_ids)}) and priority ({len(priorities)}) must "
-                                 "be the same.")
+            priorities = _one_per_prompt(priority, "priority", "priority", "a list of ints", len(prompt_ids))
             for i, value in enumerate(priorities):
                 if not is_int(value):
                     raise ValueError(f"priority[{i}] must be an int, got {value!r}")
@@ -726,13 +732,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_ids)
         else:
-            if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Sequence):
-                raise ValueError(f"sampling_params must be a SamplingParams or a list of them, one per prompt; got "
-                                 f"{type(sampling_params).__name__}")
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_ids):  # vLLM's words (_params_to_seq)
-                raise ValueError(f"The lengths of prompts ({len(prompt_ids)}) and params ({len(params_list)}) must be "
-                                 "the same.")
+            params_list = _one_per_prompt(sampling_params, "sampling_params", "params",
+                                          "a SamplingParams or a list of them", len(prompt_ids))
             for i, params in enumerate(params_list):
                 if not isinstance(params, SamplingParams):
                     raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
