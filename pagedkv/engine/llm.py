@@ -41,6 +41,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.entrypoints.chat_utils import render_chat
 from pagedkv.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from pagedkv.kv_cache_manager import KVCacheManager
+from pagedkv.request_queue import SchedulingPolicy
 from pagedkv.scheduler import PREEMPTION_MODES, Scheduler
 from pagedkv.sizing.hybrid import (
     describe_groups,
@@ -268,7 +269,7 @@ class LLM:
             max_num_batched_tokens = check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        if scheduling_policy not in ("fcfs", "priority"):  # vLLM's SchedulerConfig.policy
+        if scheduling_policy not in {p.value for p in SchedulingPolicy}:  # vLLM's SchedulerConfig.policy
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if attn_backend is not None and attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS} or None, got {attn_backend!r}")
