@@ -176,7 +176,8 @@ BAD = [
     (b'{"prompt": "hi", "stop": 5}', 400, "body.stop"),
     (json.dumps({"prompt": [[1]] * 1025}).encode(), 400, "prompt"),
     # what the lab's engine cannot serve is refused, not ignored
-    (b'{"prompt": "hi", "min_tokens": 4}', 400, "min_tokens"),
+    (b'{"prompt": "hi", "min_tokens": 4, "max_tokens": 3}', 400, "min_tokens"),
+    (b'{"prompt": "hi", "min_p": 2}', 400, "min_p"),
     (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
     (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
@@ -469,6 +470,23 @@ def test_sampling_parameters_n_seed_and_stop(srv):
     r = srv.client.post("/v1/completions", json={"prompt": [9, 8, 7], "max_tokens": 10, "temperature": 0,
                                                  "stop_token_ids": [ids["token_ids"][2]], "stream": True})
     assert "".join(c["text"] for e in sse(r.text) for c in e["choices"]) == stopped["text"]
+    idle(srv)
+
+
+def test_min_tokens_and_min_p_are_served(srv):
+    """vLLM's ``min_tokens`` and ``min_p`` fields reach the sampler: the answers are offline ``generate``'s with the
+    same parameters (the stop token masked for the first 5 tokens; ``min_p=1`` leaves only the likeliest token)."""
+    greedy = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, return_token_ids=True)["choices"][0]
+    stop = greedy["token_ids"][1]
+    got = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, stop_token_ids=[stop], min_tokens=5,
+                     return_token_ids=True)["choices"][0]
+    llm = LLM(tiny_model(0), num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)
+    want = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop],
+                                                    min_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert got["token_ids"] == want.token_ids and stop not in got["token_ids"][:5]
+    assert got["token_ids"] != greedy["token_ids"][:2]
+    sampled = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=1.0, min_p=1.0, return_token_ids=True)
+    assert sampled["choices"][0]["token_ids"] == greedy["token_ids"]
     idle(srv)
 
 

@@ -41,7 +41,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.engine.executor import Executor
@@ -119,6 +119,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # unfinished requests, by id
         self._stop_ids: dict[str, frozenset[int]] = {}
         self._ignore_eos: dict[str, bool] = {}
+        self._min_tokens: dict[str, int] = {}
         self._num_cached: dict[str, int] = {}
         # attention_s and sample_s are parts of forward_s (the runner's StepTimes)
         self.stats: dict[str, float] = {"steps": 0, "forward_tokens": 0, "schedule_s": 0.0, "prepare_s": 0.0,
@@ -130,9 +131,15 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> Request:
         """Queue ``request`` in the scheduler (which refuses, with ``ValueError`` and no change, a duplicate id
         or a request that could never fit); returns the scheduler's :class:`~pagedkv.request.Request`.
-        Its stop tokens are ``stop_token_ids`` plus, unless ``ignore_eos``, the model's EOS ids and the tokenizer's.
+        Its stop tokens are ``stop_token_ids`` plus, unless ``ignore_eos``, the model's EOS ids and the tokenizer's;
+        with ``min_tokens`` the runner is given a copy of its parameters that knows the EOS ids too (it masks them).
         Mirrors ``EngineCore.add_request``."""
         params = request.sampling_params
+        eos = self.eos_token_ids | ({self.tokenizer_eos_token_id} if self.tokenizer_eos_token_id is not None else set())
+        if params.min_tokens and not eos <= params.all_stop_token_ids:  # what min_tokens masks: on a copy
+            params = replace(params)
+            params.update_from_generation_config({"eos_token_id": sorted(self.eos_token_ids)},
+                                                 self.tokenizer_eos_token_id)
         kwargs: dict[str, Any] = {"priority": request.priority, "sampling_params": params,
                                   "cache_salt": request.cache_salt}
         if request.arrival_time is not None:
@@ -142,12 +149,11 @@ class EngineCore:
         rid = req.request_id
         stop = set(params.stop_token_ids or ())
         if not params.ignore_eos:  # the model's EOS ids and the tokenizer's, as vLLM's InputProcessor.process_inputs
-            stop |= self.eos_token_ids  # gives each request (SamplingParams.update_from_generation_config)
-            if self.tokenizer_eos_token_id is not None:
-                stop.add(self.tokenizer_eos_token_id)
+            stop |= eos  # gives each request (SamplingParams.update_from_generation_config)
         self.requests[rid] = req
         self._stop_ids[rid] = frozenset(stop)
         self._ignore_eos[rid] = params.ignore_eos
+        self._min_tokens[rid] = params.min_tokens
         return req
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> list[str]:
@@ -177,6 +183,7 @@ class EngineCore:
         self.requests.pop(rid, None)
         self._stop_ids.pop(rid, None)
         self._ignore_eos.pop(rid, None)
+        self._min_tokens.pop(rid, None)
         self._num_cached.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -258,7 +265,8 @@ class EngineCore:
                 continue
             stop_reason = None
             token = tokens[-1]
-            if token in self._stop_ids.get(rid, ()):
+            # below min_tokens no token stops the request (vLLM's check_stop; the runner masks them anyway)
+            if token in self._stop_ids.get(rid, ()) and req.num_output_tokens >= self._min_tokens.get(rid, 0):
                 eos = self.tokenizer_eos_token_id
                 stop_reason = None if token == eos and not self._ignore_eos[rid] else token
                 if not req.is_finished():

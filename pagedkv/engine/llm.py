@@ -137,7 +137,7 @@ def fit_batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | Non
 #: ``vllm/config/model.py``); ``max_new_tokens`` becomes ``max_tokens``.
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 #: Those of them the lab's sampler has no use for, with the value that changes nothing.
-_UNSERVED_NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0}
+_UNSERVED_NEUTRAL = {"repetition_penalty": 1.0}
 
 
 def diff_sampling_params(generation_config: Any) -> dict[str, Any]:
@@ -636,9 +636,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by
         the sampling fields of the model's generation config (``generation_config.json``: ``temperature``,
-        ``top_k``, ``top_p``, ``max_new_tokens`` as ``max_tokens``) unless the engine was made with
-        ``generation_config="vllm"``. The lab has no repetition penalty and no ``min_p``: a config that sets them
-        to anything but 1 and 0 gets a warning naming them (where vLLM would apply them, the lab samples without),
+        ``top_k``, ``top_p``, ``min_p``, ``max_new_tokens`` as ``max_tokens``) unless the engine was made with
+        ``generation_config="vllm"``. The lab has no repetition penalty: a config that sets it to anything but 1
+        gets a warning naming it (where vLLM would apply it, the lab samples without),
         once per engine (:meth:`get_diff_sampling_param` reads the config once). Mirrors
         ``LLM.get_default_sampling_params`` (``vllm/entrypoints/llm.py``)."""
         return SamplingParams(**{k: v for k, v in self.get_diff_sampling_param().items()
@@ -760,8 +760,10 @@ class LLM:
             for j in range(params.n):  # vLLM's ParentRequest: n requests, seeds seed + j
                 child = params.for_child(j) if params.n > 1 else params
                 rid = base if j == 0 else f"{base}-{j}"
-                requests.append(EngineCoreRequest(rid, list(ids), replace(child, max_tokens=max_tokens),
-                                                  priority=priorities[i]))
+                # min_tokens past the room the prompt leaves ends at max_model_len too ("length"); vLLM 0.26's
+                # check_stop returns before its length check then, and the request is never scheduled again
+                child = replace(child, max_tokens=max_tokens, min_tokens=min(child.min_tokens, max_tokens))
+                requests.append(EngineCoreRequest(rid, list(ids), child, priority=priorities[i]))
                 completions[rid] = _Completion(i, j, include_stop_str_in_output=child.include_stop_str_in_output)
                 if child.stop:  # the API side's stop-string check, as AsyncLLM's (output_processor.RequestState)
                     completions[rid].stop_state = RequestState(rid, j, list(ids), child, list(child.stop),

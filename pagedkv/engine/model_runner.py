@@ -638,9 +638,11 @@ class ModelRunner:
         # unseeded requests draw from one generator with a fixed seed, so every tensor-parallel rank draws alike
         self.sampler = sampler if sampler is not None else Sampler(make_generator(0, self.device))
         # Kept from a request's arrival to its finish, across preemptions (its state is not): the seeded
-        # requests' generators and every request's sampling parameters.
+        # requests' generators, every request's sampling parameters and its prompt's length (min_tokens counts
+        # from it; a resumed request comes back with its outputs as its prefill)
         self.generators: dict[str, torch.Generator] = {}
         self.sampling_params: dict[str, Any] = {}
+        self.prompt_lens: dict[str, int] = {}
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
         if use_cuda_graph and len(self.group_windows) > 1:
@@ -700,6 +702,7 @@ class ModelRunner:
             self._remove_request(rid)
             self.generators.pop(rid, None)
             self.sampling_params.pop(rid, None)
+            self.prompt_lens.pop(rid, None)
         for rid in scheduler_output.preempted_req_ids:
             self._remove_request(rid)
 
@@ -708,6 +711,7 @@ class ModelRunner:
         table). Mirrors ``GPUModelRunner.add_requests``; Model Runner V2 receives resumed requests as new ones."""
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new.req_id, new.prompt_token_ids, new.block_ids, new.sampling_params)
+            self.prompt_lens[new.req_id] = len(new.prompt_token_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if rid in cached.resumed_req_ids:
@@ -908,10 +912,19 @@ class ModelRunner:
     # One step
     # ------------------------------------------------------------------------------------------------
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> torch.Tensor:
-        """One token per sampled row, on the device; each row with its request's parameters and generator."""
-        params = [self.requests[r].sampling_params for r in batch.sample_req_ids]
-        gens = [self.generators.get(r) for r in batch.sample_req_ids]
-        return self.sampler.sample(logits, params, gens)
+        """One token per sampled row, on the device; each row with its request's parameters and generator, and,
+        where a request asks for ``min_tokens``, the position of its sampled row and its prompt's length (the
+        mask of its stop tokens depends on them). Mirrors ``Sampler.add_request(req_idx, prompt_len, ...)`` and
+        the positions ``Sampler.__call__`` reads (``vllm/v1/worker/gpu/sample/sampler.py``)."""
+        rids = batch.sample_req_ids
+        params = [self.requests[r].sampling_params for r in rids]
+        gens = [self.generators.get(r) for r in rids]
+        if not any(p is not None and p.min_tokens for p in params):
+            return self.sampler.sample(logits, params, gens)
+        seq_lens = dict(zip(batch.req_ids, batch.seq_lens_host, strict=True))
+        positions = [seq_lens[r] - 1 for r in rids]  # the sampled row's position: its last input token's
+        prompt_lens = [self.prompt_lens.get(r, 0) for r in rids]
+        return self.sampler.sample(logits, params, gens, positions, prompt_lens)
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:

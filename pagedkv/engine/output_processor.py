@@ -191,13 +191,25 @@ class RequestState:
             if self._detokenizer is None:
                 self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
             stop_token = finish_reason == "stop" and not self.include_stop_str_in_output
-            self.text = self._detokenizer.update(token_ids[:-1] if stop_token else token_ids)
+            new_ids = token_ids[:-1] if stop_token else token_ids
+            # min_tokens: no stop string is looked for in the text of the first min_tokens tokens (vLLM's
+            # detokenizer moves stop_check_offset past each of them, and checks only once there are more)
+            min_tokens = self.params.min_tokens
+            count = len(self.output_token_ids)  # this step's tokens included
+            floor = 0
+            if min_tokens:
+                first = max(0, min(len(new_ids), min_tokens - (count - len(token_ids))))
+                if first:
+                    floor = len(self._detokenizer.update(new_ids[:first]))
+                    new_ids = new_ids[first:]
+            self.text = self._detokenizer.update(new_ids)
             # the new characters are those after the part of the text that did not change: a character whose
             # bytes were split over tokens showed as U+FFFD and is replaced now, perhaps by a stop string (the
             # length alone may not grow). vLLM's detokenizer emits such a character once complete, as new text
             # (IncrementalDetokenizer.update: stop_check_offset, vllm/v1/engine/detokenizer.py)
-            unchanged = len(os.path.commonprefix([before, self.text]))
-            if not self._check_stop_strings(len(self.text) - unchanged) and finish_reason is not None:
+            unchanged = max(len(os.path.commonprefix([before, self.text])), floor)
+            found = count > min_tokens and self._check_stop_strings(len(self.text) - unchanged)
+            if not found and finish_reason is not None:
                 self.finish_reason, self.stop_reason = finish_reason, stop_reason
         elif finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason

@@ -1,4 +1,4 @@
-"""From logits to tokens: greedy, temperature, top-k, top-p, with a generator per seeded request.
+"""From logits to tokens: min_tokens, greedy, temperature, min-p, top-k, top-p, a generator per seeded request.
 
 Mirrors vLLM 0.26's ``Sampler`` (``vllm/v1/sample/sampler.py``) and ``random_sample``
 (``vllm/v1/sample/ops/topk_topp_sampler.py``): instead of ``torch.multinomial`` it draws exponential noise
@@ -27,6 +27,27 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams | None], positions: Sequence[int],
+                     prompt_lens: Sequence[int]) -> None:
+    """Mask (to -inf), in ``logits [S, V]``, the stop tokens (``all_stop_token_ids``: ``stop_token_ids`` and the
+    model's EOS ids) of each row whose request has not reached ``min_tokens`` yet: while the token sampled at
+    ``positions[i] + 1`` is among the first ``min_tokens`` outputs, ``positions[i] + 1 < prompt_lens[i] +
+    min_tokens``. Mirrors the min-tokens part of ``_bias_kernel`` (``vllm/v1/worker/gpu/sample/logit_bias.py``)."""
+    for i, p in enumerate(params):
+        if p is not None and p.min_tokens and p.all_stop_token_ids and (
+                positions[i] + 1 < prompt_lens[i] + p.min_tokens):
+            ids = torch.tensor(sorted(p.all_stop_token_ids), dtype=torch.long, device=logits.device)
+            logits[i, ids[ids < logits.shape[-1]]] = float("-inf")
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens less likely than ``min_p`` times the likeliest, row by row; ``logits [S, V]``
+    (after the temperature) changed in place, ``min_p [S]`` (0: no limit). In logits: below ``max + log(min_p)``.
+    Mirrors ``_min_p_kernel`` (``vllm/v1/worker/gpu/sample/min_p.py``)."""
+    threshold = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)  # [S, 1]; log(0) = -inf
+    return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -68,17 +89,26 @@ class Sampler:
         logits: torch.Tensor,  # [S, V]
         params: Sequence[SamplingParams | None],
         generators: Sequence[torch.Generator | None],
+        positions: Sequence[int] | None = None,
+        prompt_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Greedy rows (and rows with no parameters) take the argmax of the raw logits (ties: the lowest id, as
-        ``torch.argmax``); the others are divided by their temperature, cut by top-k and top-p, softmaxed and
-        sampled with exponential noise. Returns one token id per row, ``[S]`` int64 on the logits' device; nothing
-        here waits for the device (the top-k/top-p decision is made from the host's parameters).
-        Mirrors ``Sampler.forward``."""
+        """Rows whose request asks for ``min_tokens`` first have their stop tokens masked (:func:`apply_min_tokens`,
+        which needs ``positions`` and ``prompt_lens``; ``logits`` is then changed in place). Greedy rows (and rows
+        with no parameters) take the argmax of those logits (ties: the lowest id, as ``torch.argmax``); the others
+        are divided by their temperature, cut by min-p, top-k and top-p, softmaxed and sampled with exponential
+        noise. Returns one token id per row, ``[S]`` int64 on the logits' device; nothing here waits for the device
+        (which cuts apply is decided from the host's parameters). Mirrors ``Sampler.sample`` and
+        ``apply_sampling_params`` (``vllm/v1/worker/gpu/sample/sampler.py``; no penalties, bad words or logit bias
+        in the lab)."""
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators")
         if logits.shape[0] == 0:
             return torch.empty(0, dtype=torch.long, device=logits.device)
         logits = logits.float()
+        if any(p is not None and p.min_tokens for p in params):
+            if positions is None or prompt_lens is None:
+                raise ValueError("min_tokens needs each row's position and prompt length")
+            apply_min_tokens(logits, params, positions, prompt_lens)
         if cpu_ops.serves(logits) and logits.stride(-1) == 1:  # compiled: one pass, ~10x PyTorch's reduction
             tokens = cpu_ops.argmax(logits)  # [S]
         else:  # max(dim).indices: torch.argmax's token (ties: the first, the lowest id), about 3x faster on a CPU
@@ -89,6 +119,9 @@ class Sampler:
             sub = logits[idx]  # [R, V]
             temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
             sub = sub / temp[:, None]
+            min_ps = [params[i].min_p for i in rows]
+            if any(m > 0.0 for m in min_ps):
+                apply_min_p(sub, torch.tensor(min_ps, device=logits.device))
             ks = [max(params[i].top_k, 0) for i in rows]
             ps = [params[i].top_p for i in rows]
             if any(k > 0 for k in ks) or any(p < 1.0 for p in ps):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pagedkv.utils import check_int
 
@@ -25,6 +25,9 @@ class SamplingParams:
     Generation stops at ``max_tokens`` (``None``: where ``max_model_len`` ends the request), at the model's EOS
     token (unless ``ignore_eos``), at any of ``stop_token_ids``, or when the text shows one of ``stop`` (a string
     or a list; the text is cut before it, or after it with ``include_stop_str_in_output``; needs a tokenizer).
+    ``min_tokens`` (at most ``max_tokens``): the first ``min_tokens`` tokens are never a stop token or EOS (their
+    logits are masked, ``ignore_eos`` or not) and no stop string is looked for in their text. ``min_p`` in [0, 1]:
+    after the temperature, a token less likely than ``min_p`` times the likeliest one is dropped (0: off).
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
@@ -38,6 +41,12 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    #: every token ``min_tokens`` keeps from being sampled: ``stop_token_ids`` and the model's EOS ids, which the
+    #: engine adds when it takes the request (vLLM's ``_all_stop_token_ids``, set by
+    #: ``update_from_generation_config``), whether or not ``ignore_eos``
+    _all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:  # vLLM's normalisation: None -> [], a string -> [it]
@@ -63,10 +72,12 @@ class SamplingParams:
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+        self.min_p = float(self.min_p)
         if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM raises it (with a warning): smaller overflows
             self.temperature = MIN_TEMPERATURE
         if self.temperature == 0.0:  # greedy: the limits mean nothing
-            self.top_k, self.top_p = 0, 1.0
+            self.top_k, self.top_p, self.min_p = 0, 1.0, 0.0
+        self._all_stop_token_ids = frozenset(self.stop_token_ids)
 
     def _verify_args(self) -> None:
         """``ValueError`` naming the first invalid field and its valid range; changes nothing. Runs at
@@ -93,10 +104,18 @@ class SamplingParams:
         check_int(self.top_k, "top_k", None)
         if self.top_k < -1:  # -1 is quietly "no limit", as 0
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None:  # None: up to max_model_len (vLLM's InputProcessor.process_inputs)
             check_int(self.max_tokens, "max_tokens", None)
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        check_int(self.min_tokens, "min_tokens", None)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}.")
         if self.seed is not None and self.seed != -1:
             # completion i of n is seeded with seed + i; torch.Generator.manual_seed takes -2**63 .. 2**64 - 1
             check_int(self.seed, "seed", -(2**63), 2**64 - self.n,
@@ -123,6 +142,24 @@ class SamplingParams:
         construction): what the engine keeps for a request, so changing this object later changes nothing
         already queued. The lab's own; vLLM's ``LLM`` copies the parameters too (``SamplingParams.clone``)."""
         return replace(self)
+
+    def update_from_generation_config(self, generation_config: dict, eos_token_id: int | None = None) -> None:
+        """Add the EOS ids (``eos_token_id``, the tokenizer's, and the generation config's ``"eos_token_id"``, an
+        int or a list) to :attr:`all_stop_token_ids`, what ``min_tokens`` masks, ``ignore_eos`` or not. The engine
+        calls it on its own copy when it takes a request with ``min_tokens``. Mirrors
+        ``SamplingParams.update_from_generation_config`` (``vllm/sampling_params.py``), which also adds the
+        generation config's EOS ids to ``stop_token_ids``; the lab's engine keeps the stop set itself
+        (``EngineCore.add_request``)."""
+        ids = generation_config.get("eos_token_id")
+        eos = set() if ids is None else {ids} if isinstance(ids, int) else set(ids)
+        if eos_token_id is not None:
+            eos.add(eos_token_id)
+        self._all_stop_token_ids = self._all_stop_token_ids | eos
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """``stop_token_ids`` and, once the engine has the request, the model's EOS ids. Mirrors vLLM's."""
+        return self._all_stop_token_ids
 
     @property
     def is_greedy(self) -> bool:

@@ -263,6 +263,8 @@ class OpenAIServing:
                 temperature=default.get("temperature", 1.0) if request.temperature is None else request.temperature,
                 top_p=default.get("top_p", 1.0) if request.top_p is None else request.top_p,
                 top_k=default.get("top_k", 0) if request.top_k is None else request.top_k,
+                min_p=default.get("min_p", 0.0) if request.min_p is None else request.min_p,
+                min_tokens=request.min_tokens,
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
                 ignore_eos=request.ignore_eos,
             )
