@@ -126,7 +126,6 @@ def test_generate_without_params_takes_the_models_generation_config(llama):
     ``ModelConfig.get_diff_sampling_param``), unless ``generation_config="vllm"``. The lab used plain
     ``SamplingParams()`` whatever the model's config said."""
     import copy
-    import warnings
 
     model = copy.deepcopy(llama)
     model.generation_config.temperature, model.generation_config.max_new_tokens = 0.0, 5
@@ -140,13 +139,10 @@ def test_generate_without_params_takes_the_models_generation_config(llama):
     assert len(neutral.generate([PROMPT], use_tqdm=False)[0].outputs[0].token_ids) == 16
     with pytest.raises(ValueError, match="generation_config must be 'auto'"):
         LLM(model, num_gpu_blocks=64, block_size=16, generation_config="model")
-    model.generation_config.repetition_penalty = 1.1  # the lab has no repetition penalty: said, then left out
-    with pytest.warns(UserWarning, match=r"sets \{'repetition_penalty': 1.1\}, which the lab's sampler does not"):
-        params = LLM(model, num_gpu_blocks=64, block_size=16).get_default_sampling_params()
-    assert (params.temperature, params.max_tokens) == (0.0, 5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per engine
-        LLM(model, num_gpu_blocks=64, block_size=16, generation_config="vllm").get_default_sampling_params()
+    model.generation_config.repetition_penalty, model.generation_config.min_p = 1.1, 0.05
+    params = LLM(model, num_gpu_blocks=64, block_size=16).get_default_sampling_params()
+    assert (params.temperature, params.max_tokens, params.repetition_penalty) == (0.0, 5, 1.1)
+    assert params.min_p == 0.0  # greedy: min_p means nothing (vLLM resets it)
 
 
 def test_the_server_fills_omitted_sampling_fields_from_the_generation_config():

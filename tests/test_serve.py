@@ -178,7 +178,8 @@ BAD = [
     # what the lab's engine cannot serve is refused, not ignored
     (b'{"prompt": "hi", "min_tokens": 4, "max_tokens": 3}', 400, "min_tokens"),
     (b'{"prompt": "hi", "min_p": 2}', 400, "min_p"),
-    (b'{"prompt": "hi", "frequency_penalty": 0.5}', 400, "frequency_penalty"),
+    (b'{"prompt": "hi", "frequency_penalty": 3}', 400, "frequency_penalty"),
+    (b'{"prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
     (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
@@ -473,9 +474,10 @@ def test_sampling_parameters_n_seed_and_stop(srv):
     idle(srv)
 
 
-def test_min_tokens_and_min_p_are_served(srv):
-    """vLLM's ``min_tokens`` and ``min_p`` fields reach the sampler: the answers are offline ``generate``'s with the
-    same parameters (the stop token masked for the first 5 tokens; ``min_p=1`` leaves only the likeliest token)."""
+def test_min_tokens_min_p_and_penalties_are_served(srv):
+    """vLLM's ``min_tokens``, ``min_p`` and penalty fields reach the sampler: the answers are offline ``generate``'s
+    with the same parameters (the stop token masked for the first 5 tokens; ``min_p=1`` leaves only the likeliest
+    token)."""
     greedy = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, return_token_ids=True)["choices"][0]
     stop = greedy["token_ids"][1]
     got = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, stop_token_ids=[stop], min_tokens=5,
@@ -487,6 +489,11 @@ def test_min_tokens_and_min_p_are_served(srv):
     assert got["token_ids"] != greedy["token_ids"][:2]
     sampled = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=1.0, min_p=1.0, return_token_ids=True)
     assert sampled["choices"][0]["token_ids"] == greedy["token_ids"]
+    penalties = dict(repetition_penalty=0.5, frequency_penalty=0.7, presence_penalty=-2.0)  # repeats rewarded
+    got = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, return_token_ids=True, **penalties)
+    want = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=10, temperature=0.0, **penalties),
+                        use_tqdm=False)[0].outputs[0]
+    assert got["choices"][0]["token_ids"] == want.token_ids != greedy["token_ids"]
     idle(srv)
 
 

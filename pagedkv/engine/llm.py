@@ -19,7 +19,6 @@ loop, one step at a time: the same tokens either way. ``n > 1`` is ``n`` request
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -136,8 +135,6 @@ def fit_batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | Non
 #: The generation-config fields vLLM 0.26 takes as sampling defaults (``ModelConfig.get_diff_sampling_param``,
 #: ``vllm/config/model.py``); ``max_new_tokens`` becomes ``max_tokens``.
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
-#: Those of them the lab's sampler has no use for, with the value that changes nothing.
-_UNSERVED_NEUTRAL = {"repetition_penalty": 1.0}
 
 
 def diff_sampling_params(generation_config: Any) -> dict[str, Any]:
@@ -635,14 +632,11 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by
-        the sampling fields of the model's generation config (``generation_config.json``: ``temperature``,
-        ``top_k``, ``top_p``, ``min_p``, ``max_new_tokens`` as ``max_tokens``) unless the engine was made with
-        ``generation_config="vllm"``. The lab has no repetition penalty: a config that sets it to anything but 1
-        gets a warning naming it (where vLLM would apply it, the lab samples without),
-        once per engine (:meth:`get_diff_sampling_param` reads the config once). Mirrors
+        the sampling fields of the model's generation config (``generation_config.json``: ``repetition_penalty``,
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``max_new_tokens`` as ``max_tokens``) unless the engine
+        was made with ``generation_config="vllm"`` (:meth:`get_diff_sampling_param` reads the config once). Mirrors
         ``LLM.get_default_sampling_params`` (``vllm/entrypoints/llm.py``)."""
-        return SamplingParams(**{k: v for k, v in self.get_diff_sampling_param().items()
-                                 if k not in _UNSERVED_NEUTRAL})
+        return SamplingParams(**self.get_diff_sampling_param())
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """The sampling fields the model's generation config sets (:func:`diff_sampling_params`; ``{}`` with
@@ -652,11 +646,6 @@ class LLM:
         if self.default_sampling_params is None:
             source = None if self.generation_config == "vllm" else getattr(self.model, "generation_config", None)
             self.default_sampling_params = diff_sampling_params(source)
-            ignored = {k: v for k, v in self.default_sampling_params.items()
-                       if k in _UNSERVED_NEUTRAL and v != _UNSERVED_NEUTRAL[k]}
-            if ignored:
-                warnings.warn(f"the model's generation config sets {ignored}, which the lab's sampler does not "
-                              "implement: sampling without them (vLLM applies them)", stacklevel=3)
         return self.default_sampling_params
 
     def get_tokenizer(self) -> Any:

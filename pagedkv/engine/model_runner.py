@@ -78,6 +78,7 @@ from pagedkv.engine.attention import (
     paged_attention_forward,
 )
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
+from pagedkv.engine.penalties import PenaltiesState
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
 from pagedkv.sizing.kv_cache_utils import kv_page_bytes
@@ -643,6 +644,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.sampling_params: dict[str, Any] = {}
         self.prompt_lens: dict[str, int] = {}
+        self.penalties = PenaltiesState(self.model.get_output_embeddings().weight.shape[0], self.device)
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
         if use_cuda_graph and len(self.group_windows) > 1:
@@ -679,6 +681,7 @@ class ModelRunner:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_slots.append(state.req_index)
+        self.penalties.remove_request(req_id)
 
     def _add_request(self, req_id: str, token_ids: list[int], block_ids: Sequence[int], params: Any) -> None:
         self._remove_request(req_id)
@@ -688,6 +691,7 @@ class ModelRunner:
         self.requests[req_id] = CachedRequestState(req_id, index, list(token_ids), params)
         self.sampling_params[req_id] = params
         self.block_tables.append_block_ids(index, block_ids, overwrite=True)
+        self.penalties.add_request(req_id, token_ids, self.prompt_lens.get(req_id, len(token_ids)), params)
         seed = getattr(params, "seed", None)
         if seed is not None and req_id not in self.generators:
             from pagedkv.engine.sampler import make_generator
@@ -710,8 +714,8 @@ class ModelRunner:
         """New requests (their prompt and whole block table) and resumed ones (every token so far, and their new
         table). Mirrors ``GPUModelRunner.add_requests``; Model Runner V2 receives resumed requests as new ones."""
         for new in scheduler_output.scheduled_new_reqs:
-            self._add_request(new.req_id, new.prompt_token_ids, new.block_ids, new.sampling_params)
             self.prompt_lens[new.req_id] = len(new.prompt_token_ids)
+            self._add_request(new.req_id, new.prompt_token_ids, new.block_ids, new.sampling_params)
         cached = scheduler_output.scheduled_cached_reqs
         for rid, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if rid in cached.resumed_req_ids:
@@ -912,19 +916,24 @@ class ModelRunner:
     # One step
     # ------------------------------------------------------------------------------------------------
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> torch.Tensor:
-        """One token per sampled row, on the device; each row with its request's parameters and generator, and,
-        where a request asks for ``min_tokens``, the position of its sampled row and its prompt's length (the
-        mask of its stop tokens depends on them). Mirrors ``Sampler.add_request(req_idx, prompt_len, ...)`` and
-        the positions ``Sampler.__call__`` reads (``vllm/v1/worker/gpu/sample/sampler.py``)."""
+        """One token per sampled row, on the device; each row with its request's parameters and generator, its
+        penalties applied first (:class:`~pagedkv.engine.penalties.PenaltiesState`, which then counts the
+        samples), and, where a request asks for ``min_tokens``, the position of its sampled row and its prompt's
+        length (the mask of its stop tokens depends on them). Mirrors ``Sampler.add_request(req_idx, prompt_len,
+        ...)`` and ``Sampler.__call__`` (``vllm/v1/worker/gpu/sample/sampler.py``), where the penalties come after
+        the min-tokens mask (the order changes nothing: a masked logit stays -inf)."""
         rids = batch.sample_req_ids
         params = [self.requests[r].sampling_params for r in rids]
         gens = [self.generators.get(r) for r in rids]
-        if not any(p is not None and p.min_tokens for p in params):
-            return self.sampler.sample(logits, params, gens)
-        seq_lens = dict(zip(batch.req_ids, batch.seq_lens_host, strict=True))
-        positions = [seq_lens[r] - 1 for r in rids]  # the sampled row's position: its last input token's
-        prompt_lens = [self.prompt_lens.get(r, 0) for r in rids]
-        return self.sampler.sample(logits, params, gens, positions, prompt_lens)
+        self.penalties.apply(logits, rids, params)
+        positions = prompt_lens = None
+        if any(p is not None and p.min_tokens for p in params):
+            seq_lens = dict(zip(batch.req_ids, batch.seq_lens_host, strict=True))
+            positions = [seq_lens[r] - 1 for r in rids]  # the sampled row's position: its last input token's
+            prompt_lens = [self.prompt_lens.get(r, 0) for r in rids]
+        sampled = self.sampler.sample(logits, params, gens, positions, prompt_lens)
+        self.penalties.update(rids, sampled)
+        return sampled
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:

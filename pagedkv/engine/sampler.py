@@ -98,8 +98,8 @@ class Sampler:
         are divided by their temperature, cut by min-p, top-k and top-p, softmaxed and sampled with exponential
         noise. Returns one token id per row, ``[S]`` int64 on the logits' device; nothing here waits for the device
         (which cuts apply is decided from the host's parameters). Mirrors ``Sampler.sample`` and
-        ``apply_sampling_params`` (``vllm/v1/worker/gpu/sample/sampler.py``; no penalties, bad words or logit bias
-        in the lab)."""
+        ``apply_sampling_params`` (``vllm/v1/worker/gpu/sample/sampler.py``); the penalties are applied before, by
+        the runner (``pagedkv.engine.penalties``); no bad words or logit bias in the lab."""
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators")
         if logits.shape[0] == 0:

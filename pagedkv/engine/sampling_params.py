@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pagedkv.utils import check_int
+from pagedkv.utils import check_int, is_real
 
 #: The smallest temperature above 0: vLLM 0.26 raises ``0 < t < 1e-2`` to ``1e-2`` (``_MAX_TEMP``).
 MIN_TEMPERATURE = 1e-2
@@ -28,6 +28,10 @@ class SamplingParams:
     ``min_tokens`` (at most ``max_tokens``): the first ``min_tokens`` tokens are never a stop token or EOS (their
     logits are masked, ``ignore_eos`` or not) and no stop string is looked for in their text. ``min_p`` in [0, 1]:
     after the temperature, a token less likely than ``min_p`` times the likeliest one is dropped (0: off).
+    Penalties, before the temperature, greedy rows too: ``repetition_penalty`` (> 0; 1: off) divides a positive
+    logit of a token seen in the prompt or the output and multiplies a negative one; ``frequency_penalty`` and
+    ``presence_penalty`` (in [-2, 2]; 0: off) subtract themselves times each output token's count, or once for
+    a token that has come at all.
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
@@ -43,6 +47,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     #: every token ``min_tokens`` keeps from being sampled: ``stop_token_ids`` and the model's EOS ids, which the
     #: engine adds when it takes the request (vLLM's ``_all_stop_token_ids``, set by
     #: ``update_from_generation_config``), whether or not ``ignore_eos``
@@ -73,6 +80,9 @@ class SamplingParams:
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.min_p = float(self.min_p)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
         if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM raises it (with a warning): smaller overflows
             self.temperature = MIN_TEMPERATURE
         if self.temperature == 0.0:  # greedy: the limits mean nothing
@@ -91,6 +101,14 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.n > MAX_N_SEQUENCES:  # envs.VLLM_MAX_N_SEQUENCES
             raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
         if not math.isfinite(self.temperature):
@@ -104,7 +122,7 @@ class SamplingParams:
         check_int(self.top_k, "top_k", None)
         if self.top_k < -1:  # -1 is quietly "no limit", as 0
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
-        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None:  # None: up to max_model_len (vLLM's InputProcessor.process_inputs)
             check_int(self.max_tokens, "max_tokens", None)

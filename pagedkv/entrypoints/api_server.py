@@ -265,6 +265,9 @@ class OpenAIServing:
                 top_k=default.get("top_k", 0) if request.top_k is None else request.top_k,
                 min_p=default.get("min_p", 0.0) if request.min_p is None else request.min_p,
                 min_tokens=request.min_tokens,
+                presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=(default.get("repetition_penalty", 1.0) if request.repetition_penalty is None
+                                    else request.repetition_penalty),
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
                 ignore_eos=request.ignore_eos,
             )

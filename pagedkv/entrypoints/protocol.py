@@ -6,7 +6,7 @@ Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/op
 ``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``,
 ``ModelPermission``).
 The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve (``logprobs``,
-beam search, the penalties, ``logit_bias``, ...: :data:`UNSERVED`), with
+beam search, ``logit_bias``, ...: :data:`UNSERVED`), with
 vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
 if it had not (a deliberate difference: vLLM serves them). As in vLLM, any other field is accepted and ignored
 (``OpenAIBaseModel`` has ``extra="allow"``). vLLM's ``mode="before"`` request validators are here with their
@@ -32,7 +32,6 @@ MAX_COMPLETION_PROMPTS = 1024
 #: vLLM's request fields the lab's engine cannot serve, and the values that ask for nothing (vLLM's defaults, and
 #: what a client sends to mean "off"); any other value is refused with a 400 naming the field.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
     "logit_bias": (None, {}), "allowed_token_ids": (None,),
     "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "suffix": (None,), "top_logprobs": (None, 0), "use_beam_search": (False,),
@@ -128,6 +127,9 @@ class _SamplingFields(OpenAIBaseModel):
     top_k: int | None = None
     min_p: float | None = None
     min_tokens: int = 0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None  # None: the generation config's, else 1.0
     stop_token_ids: list[int] | None = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
