@@ -671,14 +671,23 @@ def test_set06_a_kernel_that_shortens_the_checks_sequences_scores_0(tmp_path):
 ROUTES = ROOT / "tests" / "data" / "unlisted_routes"  # SET__EXERCISE__ROUTE.txt: an answer cell's code
 
 
+def _warm_imports(sources: list[str]) -> str:
+    """Top-level imports of every module the answers import inside their functions: the cell runs them once, so a
+    check's first call imports nothing. A cold import of torch and the engine takes 2 s or more on a slow 2-core
+    machine, the limit of one check call: the route would then fail on time, not on the hidden answer."""
+    modules = sorted({m.group(1) for src in sources
+                      for m in re.finditer(r"^\s+(?:from|import) ([\w.]+)", src, re.M)})
+    return "".join(f"try:\n    import {m}\nexcept Exception:\n    pass\n" for m in modules)
+
+
 def _combined(sources: list[str]) -> str:
     """One answer cell that tries each of several answers of a function exercise (``def NAME``) in turn
-    (:func:`_try_each`)."""
+    (:func:`_try_each`), their modules imported first (:func:`_warm_imports`)."""
     if len(sources) == 1:
-        return sources[0]
+        return _warm_imports(sources) + "\n\n" + sources[0]
     name = re.search(r"^def (\w+)", sources[0], re.M).group(1)
     parts = [re.sub(rf"^def {name}\(", f"def _route{i}(", src, count=1, flags=re.M) for i, src in enumerate(sources)]
-    return ("\n\n".join(parts) + f"\n\ndef {name}(*args, **kwargs):\n"
+    return (_warm_imports(sources) + "\n\n" + "\n\n".join(parts) + f"\n\ndef {name}(*args, **kwargs):\n"
             + _try_each([f"_route{i}" for i in range(len(sources))], "*args, **kwargs"))
 
 
