@@ -40,6 +40,15 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module")
+def llama():
+    """Lesson 7's tiny seeded Llama (2 layers, GQA: 4 query heads, 2 KV heads; no download), one per test module:
+    the engine tests' model. Tests that change its generation config put it back."""
+    from pagedkv.engine.tiny_models import tiny_model
+
+    return tiny_model("llama")
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the chunks are cut from what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items[:] = long_poles_first(items, _worksteal_workers(config))

@@ -92,11 +92,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return make_prompts()
 

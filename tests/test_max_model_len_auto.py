@@ -63,11 +63,6 @@ def test_the_estimate_is_the_longest_length_that_fits(original, block_size, avai
         assert got == original or usage(got + 1) > available
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
 def test_a_small_pool_shortens_the_length_to_what_it_holds(llama, capsys):
     llm = LLM(llama, max_model_len=-1, num_gpu_blocks=10)  # vLLM counts the null block too: 10 * 16 tokens
     assert llm.max_model_len == 160 < llama.config.max_position_embeddings

@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv.engine.tiny_models import tiny_model
 
 PROMPT = list(range(1, 41))  # 40 tokens: two full blocks of 16 and 8 more
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama", seed=0)
 
 
 class _Tokenizer:

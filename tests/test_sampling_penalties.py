@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import NEAR_TIE, make_prompts, one_thread, tiny_model  # noqa: F401 (one_thread: autouse)
+from test_engine import NEAR_TIE, make_prompts, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.penalties import PenaltiesState
@@ -22,11 +22,6 @@ CONFIGS = {
     "chunked": dict(num_gpu_blocks=200, block_size=8, max_num_batched_tokens=16),
     "recompute": dict(num_gpu_blocks=14, block_size=8, max_num_batched_tokens=64),
 }
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")
