@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import MAX_NEW, VOCAB, make_prompts, one_thread, tiny_model  # noqa: F401 (one_thread: autouse)
+from test_engine import MAX_NEW, VOCAB, make_prompts, one_thread  # noqa: F401 (one_thread: autouse)
 
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.output_processor import RequestState
 from pagedkv.engine.sampler import Sampler, make_generator
 
 MIN = 4  # min_tokens in the identity tests
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +154,27 @@ def test_min_tokens_beyond_the_room_ends_at_max_model_len(llama):
     out = llm.generate([[5] * 28], SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0),
                        use_tqdm=False)[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (4, "length")
+
+
+def test_async_min_tokens_beyond_the_room_ends_at_max_model_len(llama):
+    """``AsyncLLM.generate`` with ``max_tokens=None`` (the room left) and a larger ``min_tokens``: the same end as
+    ``LLM.generate``'s, not a refusal inside the engine loop."""
+    import asyncio
+
+    from pagedkv.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(LLM(llama, num_gpu_blocks=60, block_size=8, max_model_len=32), "tiny")
+
+    async def main():
+        await engine.start()
+        try:
+            sp = SamplingParams(max_tokens=None, min_tokens=10, temperature=0.0)
+            return [d async for d in engine.generate([5] * 28, sp)]
+        finally:
+            await engine.shutdown()
+
+    deltas = asyncio.run(asyncio.wait_for(main(), 60))
+    assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -164,7 +164,9 @@ BAD = [
     (json.dumps({"prompt": [3] * MAX_MODEL_LEN}).encode(), 400, "input_tokens"),
     (json.dumps({"prompt": [3] * 10, "max_tokens": MAX_MODEL_LEN}).encode(), 400, "input_tokens"),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
-    (b'{"prompt": "hi", "logprobs": 2}', 400, "logprobs"),
+    (b'{"prompt": "hi", "logprobs": -1}', 400, "logprobs"),  # vLLM: "`logprobs` must be a positive value."
+    (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),  # more than max_logprobs (20)
+    (b'{"prompt": "hi", "logprobs": 2, "echo": true}', 400, "echo"),  # needs the prompt's logprobs
     (b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
     (b'[1, 2]', 400, None),
     (b'{"prompt": "hi", "cache_salt": ""}', 400, "cache_salt"),
@@ -181,7 +183,8 @@ BAD = [
     (b'{"prompt": "hi", "frequency_penalty": 3}', 400, "frequency_penalty"),
     (b'{"prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
-    (b'{"prompt": "hi", "logprobs": 0}', 400, "logprobs"),
+    (b'{"prompt": "hi", "prompt_logprobs": 1}', 400, "prompt_logprobs"),
+    (b'{"prompt": "hi", "logprobs": 1, "logprob_token_ids": [5]}', 400, "logprob_token_ids"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
     (b'{"prompt": "hi", "suffix": ""}', 400, "suffix"),  # vLLM: "suffix is not currently supported"
     (json.dumps({"prompt": [600] * MAX_MODEL_LEN}).encode(), 400, "input_tokens"),  # vLLM: the length first
@@ -222,7 +225,9 @@ def test_bad_chat_requests(srv):
             ({"messages": hi, "n": 3, "temperature": 0.0}, 400, "n"),
             ({"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 400, None),
             ({"messages": hi, "continue_final_message": True}, 400, None),  # the template refuses the pair
-            ({"messages": hi, "logprobs": True}, 400, "logprobs"),
+            ({"messages": hi, "top_logprobs": 2}, 400, "top_logprobs"),  # vLLM: needs logprobs: true
+            ({"messages": hi, "logprobs": True, "top_logprobs": -2}, 400, "top_logprobs"),
+            ({"messages": hi, "logprobs": True, "top_logprobs": -1}, 400, "logprobs"),  # the vocabulary > 20
             ({"messages": hi, "chat_template": "{{ 'x' }}"}, 400, None),  # vLLM: untrusted without a flag
             ({"messages": hi, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, 400, None),
             # chat without max_tokens: the room left; none left is vLLM's "max_tokens must be at least 1, got 0."
@@ -494,6 +499,44 @@ def test_min_tokens_min_p_and_penalties_are_served(srv):
     want = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=10, temperature=0.0, **penalties),
                         use_tqdm=False)[0].outputs[0]
     assert got["choices"][0]["token_ids"] == want.token_ids != greedy["token_ids"]
+    idle(srv)
+
+
+def test_logprobs_over_http_are_generates_in_openais_shapes(srv):
+    """``logprobs`` (completions) and ``logprobs``/``top_logprobs`` (chat) carry the engine's records in vLLM's
+    shapes (``_create_completion_logprobs``, ``_create_chat_logprobs``): the same numbers as offline ``generate``,
+    the sampled token's record first, text offsets that add up, a stream's chunks adding up to the whole."""
+    llm = LLM(tiny_model(0), tokenizer=tiny_tokenizer(), num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE,
+              max_model_len=MAX_MODEL_LEN)
+    want = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2),
+                        use_tqdm=False)[0].outputs[0]
+    body = completion(srv, prompt=[9, 8, 7], max_tokens=6, temperature=0, logprobs=2, return_token_ids=True)
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["token_ids"] == want.token_ids
+    sampled = [e[t] for t, e in zip(want.token_ids, want.logprobs, strict=True)]
+    assert lp["token_logprobs"] == pytest.approx([s.logprob for s in sampled])
+    assert lp["tokens"] == [s.decoded_token for s in sampled]
+    assert all(len(top) <= 3 and list(top.values())[0] == tok_lp  # sampled first, then the top 2
+               for top, tok_lp in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True))
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(6)]
+    r = srv.client.post("/v1/completions", json={"prompt": [9, 8, 7], "max_tokens": 6, "temperature": 0,
+                                                 "logprobs": 2, "stream": True})
+    chunks = [c["logprobs"] for e in sse(r.text) for c in e["choices"]]
+    assert [t for c in chunks for t in c["tokens"]] == lp["tokens"]
+    assert [o for c in chunks for o in c["text_offset"]] == lp["text_offset"]
+    as_ids = completion(srv, prompt=[9, 8, 7], max_tokens=6, temperature=0, logprobs=0,
+                        return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert as_ids["tokens"] == [f"token_id:{t}" for t in want.token_ids]
+    assert all(len(top) == 1 for top in as_ids["top_logprobs"])
+    chat = srv.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
+    assert len(chat) == 4 and all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token"] == c["token"]
+                                  and c["bytes"] == list(c["token"].encode()) for c in chat)
+    plain = srv.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 4, "temperature": 0}).json()
+    assert plain["choices"][0]["logprobs"] is None
     idle(srv)
 
 

@@ -33,6 +33,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pagedkv.engine.core import EngineCoreOutput
 from pagedkv.engine.core import EngineCoreRequest as CoreRequest
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.metrics import PrometheusStatLogger
@@ -69,18 +70,6 @@ class EngineCoreRequest:
     priority: int = 0
 
 
-@dataclass
-class EngineCoreOutput:
-    """What one step did for one request. Mirrors ``vllm/v1/engine/__init__.py: EngineCoreOutput``."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-
-
 class _LLMEngineCore:
     """The loop's view of the :class:`LLM`'s :class:`~pagedkv.engine.core.EngineCore`: ``add_request``,
     ``abort_requests``, ``step`` (one ``step_fn`` call: with async scheduling, ``step_with_batch_queue``, which may
@@ -93,7 +82,8 @@ class _LLMEngineCore:
         self.idle_steps = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        params = replace(request.sampling_params, max_tokens=request.max_tokens)
+        params = request.sampling_params  # min_tokens past the room ends at max_model_len, as LLM.generate's
+        params = replace(params, max_tokens=request.max_tokens, min_tokens=min(params.min_tokens, request.max_tokens))
         self.core.add_request(CoreRequest(request.request_id, list(request.prompt_token_ids), params,
                                           priority=request.priority, cache_salt=request.cache_salt))
         self.seqs[request.request_id] = request  # after add_request: a refused request is not kept
@@ -115,8 +105,7 @@ class _LLMEngineCore:
         for out in core_outputs.outputs if core_outputs is not None else ():
             if out.request_id not in self.seqs:
                 continue
-            outputs.append(EngineCoreOutput(out.request_id, list(out.new_token_ids), out.finish_reason,
-                                            out.stop_reason, out.num_cached_tokens, out.num_preemptions))
+            outputs.append(out)
             if out.finished:
                 del self.seqs[out.request_id]
         return outputs
@@ -243,6 +232,10 @@ class AsyncLLM:
             sampling_params = sampling_params.verified()  # the one check, SamplingParams._verify_args
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        try:
+            self.llm.check_logprobs(sampling_params)  # against max_logprobs
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "logprobs") from None
         stop = list(stop) or list(sampling_params.stop)  # the keyword's, else the parameters' own (vLLM's place)
         include_stop_str_in_output = include_stop_str_in_output or sampling_params.include_stop_str_in_output
         if stop and self.tokenizer is None:
@@ -385,7 +378,7 @@ class AsyncLLM:
                 continue  # aborted while the step ran
             state.num_cached_tokens = out.num_cached_tokens
             state.num_preemptions = out.num_preemptions
-            delta = state.add_tokens(out.new_token_ids, out.finish_reason, out.stop_reason, now)
+            delta = state.add_tokens(out.new_token_ids, out.finish_reason, out.stop_reason, now, out.new_logprobs)
             if delta is not None:
                 self._queues[out.request_id].put_nowait(delta)
             if state.finished:

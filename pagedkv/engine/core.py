@@ -66,7 +66,9 @@ class EngineCoreRequest:
 class EngineCoreOutput:
     """What one request did in one step: its new token ids; ``finish_reason`` when it finished (``"stop"``,
     ``"length"``); ``stop_reason`` the stop token that ended it (``None`` for the tokenizer's EOS);
-    ``num_cached_tokens`` its prefix-cache hit at first admission. Mirrors ``EngineCoreOutput``."""
+    ``num_cached_tokens`` its prefix-cache hit at first admission; ``new_logprobs``, when the request asks for
+    logprobs, the new token's row: the token ids (sampled first, then the batch's top ``k``), their logprobs and
+    the sampled token's rank. Mirrors ``EngineCoreOutput``."""
 
     request_id: str
     new_token_ids: list[int]
@@ -74,6 +76,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    new_logprobs: tuple[list[int], list[float], int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -257,6 +260,7 @@ class EngineCore:
         token outranks ``max_tokens``, as vLLM's ``check_stop`` orders them)."""
         t0 = time.perf_counter()
         sampled = model_output.as_dict() if hasattr(model_output, "as_dict") else dict(model_output)
+        logprobs = getattr(model_output, "logprobs", None)
         new_tokens = self.scheduler.update_from_output(scheduler_output, sampled)
         result = EngineCoreOutputs()
         for rid, tokens in new_tokens.items():
@@ -275,6 +279,10 @@ class EngineCore:
                     req.status = RequestStatus.FINISHED_STOPPED
             out = EngineCoreOutput(rid, list(tokens), None, stop_reason, self._num_cached.get(rid, 0),
                                    req.num_preemptions)
+            if logprobs is not None and getattr(req.sampling_params, "logprobs", None) is not None:
+                i = model_output.req_id_to_index[rid]
+                out.new_logprobs = (logprobs.logprob_token_ids[i], logprobs.logprobs[i],
+                                    logprobs.sampled_token_ranks[i])
             if req.is_finished():
                 out.finish_reason = req.get_finished_reason()
                 result.finished_requests.add(rid)

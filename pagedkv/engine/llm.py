@@ -32,6 +32,7 @@ from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
 from pagedkv.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest
 from pagedkv.engine.executor import UniProcExecutor
 from pagedkv.engine.llama import MODEL_IMPLS
+from pagedkv.engine.logprobs import SampleLogprobs
 from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.output_processor import RequestState, decode_output
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
@@ -192,6 +193,7 @@ class _Completion:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_state: RequestState | None = None  # with stop strings: the text so far, checked after every step
+    logprobs: SampleLogprobs | None = None  # with SamplingParams.logprobs: one record a token
     include_stop_str_in_output: bool = False  # a stop token's text too
     finish_order: int = -1  # when it finished among this call's completions (0 first)
 
@@ -221,7 +223,8 @@ class LLM:
     ``pagedkv serve`` passes as vLLM's server passes ``UsageContext.OPENAI_API_SERVER``), one left out fitted to
     the other as vLLM fits it (:func:`fit_batch_limits`). ``generation_config`` (vLLM's ``--generation-config``):
     ``"auto"`` takes ``generate``'s default sampling from the model's generation config, ``"vllm"`` ignores it
-    (:meth:`get_default_sampling_params`).
+    (:meth:`get_default_sampling_params`). ``max_logprobs`` (vLLM's, default 20; ``-1``: the vocabulary): the most
+    ``SamplingParams.logprobs`` a request may ask for.
     ``async_scheduling`` (default ``True``, vLLM 0.26's for these models): an ``AsyncScheduler`` and
     ``EngineCore.step_with_batch_queue``; ``False``: the plain ``Scheduler`` and ``EngineCore.step``.
     ``model_impl`` (vLLM's ``--model-impl``): ``"auto"`` runs the lab's own decoder for the Llama family on a
@@ -257,8 +260,10 @@ class LLM:
         model_impl: str = "auto",
         usage_context: str = "LLM_CLASS",
         generation_config: str = "auto",
+        max_logprobs: int = 20,
     ) -> None:
         block_size, seed = check_int(block_size, "block_size", 1), check_int(seed, "seed", 0)
+        self.max_logprobs = check_int(max_logprobs, "max_logprobs", -1)  # vLLM's ModelConfig field (-1: no limit)
         tensor_parallel_size = check_int(tensor_parallel_size, "tensor_parallel_size", 1)  # True is not 1 here
         if max_num_seqs is not None:
             max_num_seqs = check_int(max_num_seqs, "max_num_seqs", 1)
@@ -630,6 +635,17 @@ class LLM:
                 f"use num_gpu_blocks >= {need + 1} (block 0 is the null block) or a smaller max_tokens"
             )
 
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """``ValueError`` when ``params.logprobs`` (``-1``: the vocabulary) is more than ``max_logprobs``, in vLLM's
+        words. Mirrors ``SamplingParams._validate_logprobs`` (``vllm/sampling_params.py``)."""
+        vocab = self.model.config.vocab_size
+        limit = vocab if self.max_logprobs == -1 else self.max_logprobs
+        if params.logprobs:
+            requested = vocab if params.logprobs == -1 else params.logprobs
+            if requested > limit:
+                raise ValueError(f"Requested sample logprobs of {requested}, which is greater than max allowed: "
+                                 f"{limit}")
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by
         the sampling fields of the model's generation config (``generation_config.json``: ``repetition_penalty``,
@@ -731,6 +747,8 @@ class LLM:
         params_list = [p.verified() for p in params_list]
         if self.tokenizer is None and any(p.stop for p in params_list):
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
+        for params in params_list:
+            self.check_logprobs(params)
         clamped = []
         for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
             # vLLM 0.26 lets the request run and ends it at max_model_len (check_stop: FINISHED_LENGTH_CAPPED,
@@ -754,6 +772,8 @@ class LLM:
                 child = replace(child, max_tokens=max_tokens, min_tokens=min(child.min_tokens, max_tokens))
                 requests.append(EngineCoreRequest(rid, list(ids), child, priority=priorities[i]))
                 completions[rid] = _Completion(i, j, include_stop_str_in_output=child.include_stop_str_in_output)
+                if child.logprobs is not None:
+                    completions[rid].logprobs = SampleLogprobs(child.logprobs, self.tokenizer)
                 if child.stop:  # the API side's stop-string check, as AsyncLLM's (output_processor.RequestState)
                     completions[rid].stop_state = RequestState(rid, j, list(ids), child, list(child.stop),
                                                                child.include_stop_str_in_output, self.tokenizer)
@@ -838,6 +858,8 @@ class LLM:
     @staticmethod
     def _record(completion: _Completion, out: EngineCoreOutput) -> None:
         completion.token_ids.extend(out.new_token_ids)
+        if completion.logprobs is not None and out.new_logprobs is not None:
+            completion.logprobs.update(*out.new_logprobs)
         completion.num_cached_tokens = out.num_cached_tokens
         completion.num_preemptions = out.num_preemptions
         if out.finished:
@@ -867,8 +889,10 @@ class LLM:
             elif self.tokenizer is not None:
                 text = decode_output(self.tokenizer, c.token_ids, c.finish_reason, c.include_stop_str_in_output,
                                      prompt_ids[c.prompt_index])
+            lp = c.logprobs
             out.outputs.append(CompletionOutput(c.index, text, list(c.token_ids), c.finish_reason, c.stop_reason,
-                                                c.num_preemptions))
+                                                c.num_preemptions, None if lp is None else lp.cumulative_logprob,
+                                                None if lp is None else lp.logprobs))
             out.num_preemptions += c.num_preemptions
         # vLLM makes an n > 1 request's output when its last child finishes, with that child's num_cached_tokens
         # (`vllm/v1/engine/output_processor.py`: `RequestState.make_request_output`;

@@ -78,6 +78,7 @@ from pagedkv.engine.attention import (
     paged_attention_forward,
 )
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
+from pagedkv.engine.logprobs import LogprobsLists, LogprobsTensors, compute_topk_logprobs, num_logprobs
 from pagedkv.engine.penalties import PenaltiesState
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
@@ -505,6 +506,7 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: LogprobsLists | None = None  # row i: request req_ids[i]; None when no request asked for logprobs
 
     def as_dict(self) -> dict[str, int]:
         """``{req_id: token}``: what :meth:`pagedkv.scheduler.Scheduler.update_from_output` takes."""
@@ -517,17 +519,19 @@ class AsyncModelRunnerOutput:
     waits for the device, so the host can schedule and prepare the next step meanwhile. Mirrors
     ``AsyncOutput`` (``vllm/v1/worker/gpu/async_utils.py``)."""
 
-    def __init__(self, req_ids: list[str], sampled: torch.Tensor, event: Any = None) -> None:
+    def __init__(self, req_ids: list[str], sampled: torch.Tensor, event: Any = None,
+                 logprobs: LogprobsTensors | None = None) -> None:
         self.req_ids = req_ids
         self._sampled = sampled  # [S] int64 (host memory; pinned on a GPU machine)
         self._event = event
+        self._logprobs = logprobs  # host memory too
 
     def get_output(self) -> ModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
         tokens = self._sampled.tolist()
         return ModelRunnerOutput(list(self.req_ids), {r: i for i, r in enumerate(self.req_ids)},
-                                 [[t] for t in tokens])
+                                 [[t] for t in tokens], None if self._logprobs is None else self._logprobs.tolists())
 
 
 @dataclass
@@ -915,16 +919,21 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------
     # One step
     # ------------------------------------------------------------------------------------------------
-    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> tuple[torch.Tensor, LogprobsTensors | None]:
         """One token per sampled row, on the device; each row with its request's parameters and generator, its
         penalties applied first (:class:`~pagedkv.engine.penalties.PenaltiesState`, which then counts the
         samples), and, where a request asks for ``min_tokens``, the position of its sampled row and its prompt's
-        length (the mask of its stop tokens depends on them). Mirrors ``Sampler.add_request(req_idx, prompt_len,
-        ...)`` and ``Sampler.__call__`` (``vllm/v1/worker/gpu/sample/sampler.py``), where the penalties come after
-        the min-tokens mask (the order changes nothing: a masked logit stays -inf)."""
+        length (the mask of its stop tokens depends on them). When a request asks for logprobs, every row's are
+        computed from the raw logits (a copy kept before the penalties and masks change them in place), with the
+        batch's largest ``logprobs``. Mirrors ``Sampler.add_request(req_idx, prompt_len, ...)`` and
+        ``Sampler.__call__`` (``vllm/v1/worker/gpu/sample/sampler.py``), where the penalties come after the
+        min-tokens mask (the order changes nothing: a masked logit stays -inf)."""
         rids = batch.sample_req_ids
         params = [self.requests[r].sampling_params for r in rids]
         gens = [self.generators.get(r) for r in rids]
+        wanted = [num_logprobs(p.logprobs, logits.shape[-1]) for p in params
+                  if p is not None and getattr(p, "logprobs", None) is not None]
+        raw = logits.clone() if wanted else None  # [S, V]: vLLM's default logprobs_mode, "raw_logprobs"
         self.penalties.apply(logits, rids, params)
         positions = prompt_lens = None
         if any(p is not None and p.min_tokens for p in params):
@@ -933,7 +942,7 @@ class ModelRunner:
             prompt_lens = [self.prompt_lens.get(r, 0) for r in rids]
         sampled = self.sampler.sample(logits, params, gens, positions, prompt_lens)
         self.penalties.update(rids, sampled)
-        return sampled
+        return sampled, None if raw is None else compute_topk_logprobs(raw, sampled, max(wanted))
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
@@ -972,7 +981,7 @@ class ModelRunner:
             logits = self.compute_logits(hidden[batch.logits_indices])  # [S, V]
         self.last_logits = logits  # valid until the next step (compute_logits' buffer)
         t2 = time.perf_counter()
-        sampled = self._sample(batch, logits)  # [S] on the device
+        sampled, logprobs = self._sample(batch, logits)  # [S] on the device
         sample_s = time.perf_counter() - t2
         if batch.sample_req_ids:
             slots = torch.tensor([self.requests[r].req_index for r in batch.sample_req_ids], dtype=torch.long)
@@ -982,10 +991,11 @@ class ModelRunner:
         if self.device.type == "cuda":  # a fresh pinned buffer: the previous step's may not be read yet
             host = torch.empty(sampled.shape[0], dtype=torch.long, pin_memory=True)
             host.copy_(sampled, non_blocking=True)
+            logprobs = None if logprobs is None else logprobs.pinned_copy()
             event = torch.cuda.Event()
             event.record()
         self.last_step_times = StepTimes(t1 - t0, time.perf_counter() - t1, timings.get("attention_s", 0.0), sample_s)
-        return AsyncModelRunnerOutput(list(batch.sample_req_ids), host, event)
+        return AsyncModelRunnerOutput(list(batch.sample_req_ids), host, event, logprobs)
 
 
 INPUT_PREPS = ("device", "python")

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.engine.logprobs import Logprob, SampleLogprobs
 from pagedkv.engine.sampling_params import SamplingParams
 
 
@@ -124,6 +125,7 @@ class CompletionDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
+    logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs: one record a new token
 
 
 @dataclass
@@ -149,6 +151,11 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     _detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    _logprobs: SampleLogprobs | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self._logprobs = SampleLogprobs(self.params.logprobs, self.tokenizer)
 
     @property
     def finished(self) -> bool:
@@ -174,12 +181,17 @@ class RequestState:
         return True
 
     def add_tokens(self, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None,
-                   now: float) -> CompletionDelta | None:
-        """Take one step's new tokens (and the engine's finish reason, if it finished); return what the client
-        may see now, or None when nothing new can be shown yet. A stop string found here finishes the request
-        (the caller then aborts it in the engine); tokens after it are dropped."""
+                   now: float, new_logprobs: tuple[list[int], list[float], int] | None = None
+                   ) -> CompletionDelta | None:
+        """Take one step's new tokens (and the engine's finish reason, if it finished; ``new_logprobs``, the
+        engine's row for the new token when logprobs were asked for); return what the client may see now, or None
+        when nothing new can be shown yet. A stop string found here finishes the request (the caller then aborts
+        it in the engine); tokens after it are dropped."""
         if self.finished:
             return None
+        new_entries = None
+        if self._logprobs is not None and new_logprobs is not None:
+            new_entries = [self._logprobs.update(*new_logprobs)]
         if token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -224,4 +236,4 @@ class RequestState:
         if not delta_text and not token_ids and not self.finished:
             return None
         return CompletionDelta(self.index, delta_text, list(token_ids), self.finish_reason, self.stop_reason,
-                               self.num_cached_tokens)
+                               self.num_cached_tokens, new_entries)

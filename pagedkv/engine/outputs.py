@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.engine.logprobs import Logprob
+
 
 @dataclass
 class CompletionOutput:
@@ -11,7 +13,8 @@ class CompletionOutput:
     stopped (``"length"``: ``max_tokens`` reached; ``"stop"``: EOS, a stop token or a stop string; ``"abort"``);
     ``stop_reason`` is the stop token id or stop string that ended it (``None`` for the tokenizer's EOS or a
     length cap). ``num_preemptions`` counts how often this sequence was preempted (lab addition).
-    ``cumulative_logprob`` and ``logprobs`` are vLLM's fields, always ``None``: the lab computes no logprobs."""
+    With ``SamplingParams.logprobs``: ``logprobs``, one ``{token_id: Logprob}`` dict a generated token (the sampled
+    token first), and ``cumulative_logprob``, the sampled tokens' log-probabilities summed; ``None`` otherwise."""
 
     index: int
     text: str
@@ -20,7 +23,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

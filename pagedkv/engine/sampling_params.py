@@ -32,6 +32,9 @@ class SamplingParams:
     logit of a token seen in the prompt or the output and multiplies a negative one; ``frequency_penalty`` and
     ``presence_penalty`` (in [-2, 2]; 0: off) subtract themselves times each output token's count, or once for
     a token that has come at all.
+    ``logprobs``: with each generated token, its log-probability and rank and those of the ``logprobs`` likeliest
+    tokens (``-1``: the whole vocabulary; ``True`` is 1; ``None``: none), from the raw logits (vLLM's default
+    ``logprobs_mode``: before penalties, temperature and cuts); at most the engine's ``max_logprobs``.
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
@@ -50,6 +53,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
     #: every token ``min_tokens`` keeps from being sampled: ``stop_token_ids`` and the model's EOS ids, which the
     #: engine adds when it takes the request (vLLM's ``_all_stop_token_ids``, set by
     #: ``update_from_generation_config``), whether or not ``ignore_eos``
@@ -72,6 +76,8 @@ class SamplingParams:
                 self.stop_token_ids = list(self.stop_token_ids)
             except TypeError:
                 raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}") from None
+        if isinstance(self.logprobs, bool):  # vLLM: True is 1 (and False, as an int, 0)
+            self.logprobs = int(self.logprobs)
         self._verify_args()
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
@@ -134,6 +140,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
+        if self.logprobs is not None:
+            check_int(self.logprobs, "logprobs", None)
+            if self.logprobs < -1:
+                raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
         if self.seed is not None and self.seed != -1:
             # completion i of n is seeded with seed + i; torch.Generator.manual_seed takes -2**63 .. 2**64 - 1
             check_int(self.seed, "seed", -(2**63), 2**64 - self.n,

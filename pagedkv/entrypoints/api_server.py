@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, InvalidRequestError
+from pagedkv.engine.logprobs import Logprob
 from pagedkv.engine.metrics import CONTENT_TYPE_LATEST
 from pagedkv.engine.output_processor import CompletionDelta
 from pagedkv.engine.sampling_params import SamplingParams
@@ -258,7 +259,7 @@ class OpenAIServing:
         temperature 1, top_p 1, top_k 0 = no limit)."""
         default = self.engine.llm.get_diff_sampling_param()
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens, n=request.n,
                 temperature=default.get("temperature", 1.0) if request.temperature is None else request.temperature,
                 top_p=default.get("top_p", 1.0) if request.top_p is None else request.top_p,
@@ -269,11 +270,16 @@ class OpenAIServing:
                 repetition_penalty=(default.get("repetition_penalty", 1.0) if request.repetition_penalty is None
                                     else request.repetition_penalty),
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
-                ignore_eos=request.ignore_eos,
+                ignore_eos=request.ignore_eos, logprobs=request.sample_logprobs(),
             )
         except ValueError as exc:
             param = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, param) from None
+        try:
+            self.engine.llm.check_logprobs(params)  # SamplingParams._validate_logprobs: max_logprobs
+        except ValueError as exc:
+            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, "logprobs") from None
+        return params
 
     def prepare(self, request: P._SamplingFields, prompts: list[list[int]], max_tokens: int | None,
                 max_tokens_param: str = "max_tokens") -> list[SamplingParams]:
@@ -316,6 +322,63 @@ class OpenAIServing:
                                  cache_salt=request.cache_salt, priority=request.priority)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
+
+    def _token_text(self, logprob: Logprob, token_id: int, as_ids: bool) -> str:
+        """A logprob's token as the client sees it: ``"token_id:{id}"`` with ``return_tokens_as_token_ids``, else
+        its decoded text. Mirrors ``OpenAIServing._get_decoded_token``."""
+        if as_ids:
+            return f"token_id:{token_id}"
+        if logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            raise ServingError("logprobs' tokens need a tokenizer (this model has none): set "
+                               "return_tokens_as_token_ids", HTTPStatus.BAD_REQUEST, "logprobs")
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, request: P.CompletionRequest, token_ids: Sequence[int],
+                            entries: Sequence[dict[int, Logprob]], initial_text_offset: int = 0
+                            ) -> P.CompletionLogProbs:
+        """The legacy completions shape of ``entries`` (one record a token of ``token_ids``): each token's text and
+        logprob (at least -9999, OpenAI's stand-in for -inf), its text's offset, and the first ``logprobs + 1``
+        entries of its record (the sampled token, then the likeliest). Mirrors
+        ``OpenAIServingCompletion._create_completion_logprobs``."""
+        as_ids, num = bool(request.return_tokens_as_token_ids), request.logprobs or 0
+        offsets: list[int] = []
+        logprobs: list[float | None] = []
+        tokens: list[str] = []
+        tops: list[dict[str, float] | None] = []
+        last_len = 0
+        for token_id, step in zip(token_ids, entries, strict=True):
+            token = self._token_text(step[token_id], token_id, as_ids)
+            tokens.append(token)
+            logprobs.append(max(step[token_id].logprob, -9999.0))
+            tops.append({self._token_text(lp, t, as_ids): max(lp.logprob, -9999.0)
+                         for i, (t, lp) in enumerate(step.items()) if num >= i})
+            offsets.append(offsets[-1] + last_len if offsets else initial_text_offset)
+            last_len = len(token)
+        return P.CompletionLogProbs(text_offset=offsets, token_logprobs=logprobs, tokens=tokens, top_logprobs=tops)
+
+    def chat_logprobs(self, request: P.ChatCompletionRequest, token_ids: Sequence[int],
+                      entries: Sequence[dict[int, Logprob]]) -> P.ChatCompletionLogProbs:
+        """The chat shape of ``entries``: each token's text, logprob and UTF-8 bytes, and the first
+        ``top_logprobs`` entries of its record (which starts with the sampled token). Mirrors
+        ``OpenAIServingChat._create_chat_logprobs`` and ``_get_top_logprobs``."""
+        as_ids, top = bool(request.return_tokens_as_token_ids), request.top_logprobs
+        content = []
+        for token_id, step in zip(token_ids, entries, strict=True):
+            chosen = step[token_id]
+            tops = []
+            for i, (t, lp) in enumerate(step.items()):
+                if top == -1 or (top is not None and i < top):
+                    text = self._token_text(lp, t, as_ids)
+                    tops.append(P.ChatCompletionLogProb(token=text, logprob=max(lp.logprob, -9999.0),
+                                                        bytes=list(text.encode("utf-8", errors="replace"))))
+            content.append(P.ChatCompletionLogProbsContent(
+                token=self._token_text(chosen, token_id, as_ids), logprob=max(chosen.logprob, -9999.0),
+                bytes=None if chosen.decoded_token is None else list(chosen.decoded_token.encode("utf-8",
+                                                                                                 errors="replace")),
+                top_logprobs=tops))
+        return P.ChatCompletionLogProbs(content=content)
 
     def usage(self, prompts: list[list[int]], completion_tokens: int, cached: int | None) -> P.UsageInfo:
         prompt_tokens = sum(map(len, prompts))
@@ -375,6 +438,7 @@ class CompletionRun:
         self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
         self.finish: list[str | None] = [None] * num_choices
         self.stop_reason: list[int | str | None] = [None] * num_choices
+        self.logprobs: list[list[dict[int, Logprob]]] = [[] for _ in range(num_choices)]
         self.cached: int | None = None  # the first delta's (a stream's usage)
         self._finished_cached: dict[int, int] = {}  # prompt -> the cached tokens of its choice that finished last
 
@@ -383,6 +447,7 @@ class CompletionRun:
             self.cached = d.num_cached_tokens
         self.text[i] += d.text
         self.token_ids[i].extend(d.token_ids)
+        self.logprobs[i].extend(d.logprobs or ())
         if d.finish_reason is not None:
             self.finish[i], self.stop_reason[i] = d.finish_reason, d.stop_reason
             self._finished_cached[prompt] = d.num_cached_tokens
@@ -510,6 +575,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         # prompt alone (vLLM's echo_without_generation, whose usage still counts that token)
         echo = bool(request.echo)
         echo_only = echo and request.max_tokens == 0
+        if echo and request.logprobs is not None:  # vLLM asks for the prompt's logprobs then
+            raise ServingError("echo with logprobs needs the prompt's logprobs (prompt_logprobs), which the lab's "
+                               "engine does not compute", HTTPStatus.BAD_REQUEST, "echo")
+        want_logprobs = request.logprobs is not None
         params = serving.prepare(request, prompts, 1 if echo_only else request.max_tokens)
         request_id = f"cmpl-{request.request_id}"
         created = int(time.time())
@@ -526,13 +595,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                 async for p, d in merged:
                     i = p * num_choices + d.index
                     first = not run.token_ids[i] and run.finish[i] is None  # the prompt's ids ride on it
+                    offset = len(run.text[i])  # the text sent before this chunk
                     run.add(i, d)
+                    logprobs = (serving.completion_logprobs(request, d.token_ids, d.logprobs or [], offset)
+                                if want_logprobs else None)
                     text = "" if echo_only else d.text
                     usage = {"usage": serving.usage([prompts[p]], len(run.token_ids[i]), None)} if continuous else {}
                     yield _sse(P.CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=serving.model_name,
                         choices=[P.CompletionResponseStreamChoice(
-                            index=i, text=prompt_texts[p] + text if echo and first else text, logprobs=None,
+                            index=i, text=prompt_texts[p] + text if echo and first else text, logprobs=logprobs,
                             finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                             prompt_token_ids=prompts[p] if (with_ids or echo) and first else None,
                             token_ids=d.token_ids if with_ids else None)], **usage))
@@ -554,8 +626,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
             text, ids = ("", []) if echo_only else (run.text[i], run.token_ids[i])
             if echo:
                 text, ids = prompt_texts[p] + text, prompts[p] + ids
-            choices.append(P.CompletionResponseChoice(index=i, text=text, finish_reason=run.finish[i],
-                                                      stop_reason=run.stop_reason[i],
+            logprobs = (serving.completion_logprobs(request, run.token_ids[i], run.logprobs[i])
+                        if want_logprobs else None)
+            choices.append(P.CompletionResponseChoice(index=i, text=text, logprobs=logprobs,
+                                                      finish_reason=run.finish[i], stop_reason=run.stop_reason[i],
                                                       prompt_token_ids=prompts[p] if with_ids else None,
                                                       token_ids=ids if with_ids else None))
         body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
@@ -591,8 +665,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                     if d.finish_reason is not None:  # only the last chunk of a choice has its stop_reason
                         ids["stop_reason"] = d.stop_reason
                     usage = {"usage": serving.usage([prompt], len(run.token_ids[d.index]), None)} if continuous else {}
+                    logprobs = (serving.chat_logprobs(request, d.token_ids, d.logprobs or [])
+                                if request.logprobs else None)
                     yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
-                        index=d.index, delta=P.DeltaMessage(content=d.text), logprobs=None,
+                        index=d.index, delta=P.DeltaMessage(content=d.text), logprobs=logprobs,
                         finish_reason=d.finish_reason, **ids)], **usage))
                 if include_usage:
                     yield _sse(chunk(choices=[], usage=serving.usage([prompt], run.completion_tokens, run.cached)),
@@ -604,6 +680,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         async for _, d in merged:
             run.add(d.index, d)
         choices = [P.ChatCompletionResponseChoice(index=i, message=P.ChatMessageOut(content=run.text[i]),
+                                                  logprobs=(serving.chat_logprobs(request, run.token_ids[i],
+                                                                                  run.logprobs[i])
+                                                            if request.logprobs else None),
                                                   finish_reason=run.finish[i], stop_reason=run.stop_reason[i],
                                                   token_ids=run.token_ids[i] if with_ids else None)
                    for i in range(request.n)]

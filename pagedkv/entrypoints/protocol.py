@@ -5,8 +5,8 @@ Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/op
 ``vllm/entrypoints/openai/chat_completion/protocol.py`` (``ChatCompletionRequest``) and
 ``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``,
 ``ModelPermission``).
-The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve (``logprobs``,
-beam search, ``logit_bias``, ...: :data:`UNSERVED`), with
+The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve
+(``prompt_logprobs``, beam search, ``logit_bias``, ...: :data:`UNSERVED`), with
 vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
 if it had not (a deliberate difference: vLLM serves them). As in vLLM, any other field is accepted and ignored
 (``OpenAIBaseModel`` has ``extra="allow"``). vLLM's ``mode="before"`` request validators are here with their
@@ -34,8 +34,8 @@ MAX_COMPLETION_PROMPTS = 1024
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "allowed_token_ids": (None,),
     "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
-    "suffix": (None,), "top_logprobs": (None, 0), "use_beam_search": (False,),
-    "logprobs": (None, False), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "suffix": (None,), "use_beam_search": (False,), "logprob_token_ids": (None, []),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "tools": (None, []),
     "truncation_side": (None,), "prompt_embeds": (None,),
 }
@@ -133,12 +133,12 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] | None = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: Any = None
     use_beam_search: bool = False
     priority: int = 0
     cache_salt: str | None = None  # mixed into the first block's hash (vLLM 0.26; see kv_cache_utils)
     request_id: str = Field(default_factory=random_uuid)
     return_token_ids: bool | None = False  # vLLM 0.26: each choice carries its token ids
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:{id}"
 
     @model_validator(mode="before")
     @classmethod
@@ -150,13 +150,17 @@ class _SamplingFields(OpenAIBaseModel):
 
     def unserved(self) -> str | None:
         """The first field of :data:`UNSERVED` this request sets to a value the engine cannot serve. A bool is
-        only ``False``, not ``0`` (completions' ``"logprobs": 0`` asks for the sampled token's logprob)."""
+        only ``False``, not ``0``."""
         fields = {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
 
         def off(value: Any, ok: tuple[Any, ...]) -> bool:
             return any(value is v or (isinstance(value, bool) == isinstance(v, bool) and value == v) for v in ok)
 
         return next((k for k, ok in UNSERVED.items() if k in fields and not off(fields[k], ok)), None)
+
+    def sample_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` for this request (``None``: no logprobs)."""
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -174,6 +178,19 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool | None = False
     add_special_tokens: bool = True  # the tokenizer's BOS and the like on a text prompt
+    logprobs: int | None = None  # each token's logprob and those of this many likeliest
+
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_logprobs(cls, data: Any) -> Any:
+        """vLLM's ``check_logprobs`` (its message and param) for the fields the lab serves."""
+        logprobs = data.get("logprobs") if isinstance(data, dict) else None
+        if isinstance(logprobs, (int, float)) and logprobs < 0:
+            raise InvalidRequestError("`logprobs` must be a positive value.", "logprobs")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -211,6 +228,25 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # on top of the chat template's (which has them already)
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+
+    def sample_logprobs(self) -> int | None:
+        """vLLM's ``to_sampling_params``: ``top_logprobs`` when ``logprobs`` is true."""
+        return self.top_logprobs if self.logprobs else None
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_logprobs(cls, data: Any) -> Any:
+        """vLLM's ``check_logprobs`` (its messages and params) for the fields the lab serves."""
+        top = data.get("top_logprobs") if isinstance(data, dict) else None
+        if isinstance(top, (int, float)):
+            if top < 0 and top != -1:
+                raise InvalidRequestError("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+            if (top == -1 or top > 0) and not data.get("logprobs"):
+                raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true.",
+                                          "top_logprobs")
+        return data
 
     def unserved(self) -> str | None:
         """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not)."""
@@ -234,10 +270,34 @@ class ChatCompletionRequest(_SamplingFields):
         return data
 
 
+class CompletionLogProbs(OpenAIBaseModel):
+    """A completion's logprobs, OpenAI's legacy shape: per token its text, logprob, the text's offset in the
+    completion and ``{text: logprob}`` of the top tokens (the sampled token first)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
-    logprobs: Any = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
@@ -256,7 +316,7 @@ class CompletionResponse(OpenAIBaseModel):
 class CompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     text: str
-    logprobs: Any = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: on a choice's first chunk
@@ -280,7 +340,7 @@ class ChatMessageOut(OpenAIBaseModel):
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: Any = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
@@ -304,7 +364,7 @@ class DeltaMessage(OpenAIBaseModel):
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Any = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
