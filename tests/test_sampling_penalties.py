@@ -78,15 +78,15 @@ def test_bad_values_refused_in_vllms_words(kwargs, message):
 
 def test_a_resumed_request_is_counted_from_its_prompt_and_outputs():
     """``bincount``: the first ``prompt_len`` tokens are the prompt (a mask), the rest outputs (counts)."""
-    state = PenaltiesState(10, "cpu")
+    state = PenaltiesState("cpu")
     state.add_request("a", [1, 2, 2, 5, 5, 5, 1], 3, SamplingParams(frequency_penalty=0.5))
-    assert state.prompt_mask["a"].nonzero().flatten().tolist() == [1, 2]
-    assert state.output_counts["a"].tolist() == [0, 1, 0, 0, 0, 3, 0, 0, 0, 0]
     state.add_request("b", [1, 2], 2, SamplingParams())  # no penalty: nothing kept
-    assert "b" not in state.output_counts
     logits = torch.zeros(2, 10)
     logits[0] = torch.arange(10) - 4.0  # [-4 .. 5]
     state.apply(logits, ["a", "b"], [SamplingParams(frequency_penalty=0.5, repetition_penalty=2.0), None])
+    assert state.prompt_mask["a"].nonzero().flatten().tolist() == [1, 2]  # counted as wide as the logits
+    assert state.output_counts["a"].tolist() == [0, 1, 0, 0, 0, 3, 0, 0, 0, 0]
+    assert "b" not in state.output_counts
     assert logits[0].tolist() == [-4, -3 * 2 - 0.5, -2 * 2, -1, 0, 1 / 2 - 1.5, 2, 3, 4, 5]
     assert logits[1].tolist() == [0.0] * 10
     state.update(["a", "b"], torch.tensor([9, 9]))

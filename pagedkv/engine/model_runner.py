@@ -648,7 +648,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.sampling_params: dict[str, Any] = {}
         self.prompt_lens: dict[str, int] = {}
-        self.penalties = PenaltiesState(self.model.get_output_embeddings().weight.shape[0], self.device)
+        self.penalties = PenaltiesState(self.device)
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
         if use_cuda_graph and len(self.group_windows) > 1:

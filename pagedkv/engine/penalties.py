@@ -43,38 +43,48 @@ def apply_penalties(
 
 
 class PenaltiesState:
-    """The prompt mask and output counts of each request that uses a penalty, by request id, on ``device``."""
+    """The prompt mask and output counts of each request that uses a penalty, by request id, on ``device``. A
+    request's tensors are built the first time its row is penalised, as wide as the logits (under tensor
+    parallelism a rank's own LM head holds only its slice of the vocabulary; the logits are gathered whole)."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        self._taken: dict[str, tuple[list[int], int]] = {}  # not counted yet: token ids, prompt length
         self.prompt_mask: dict[str, torch.Tensor] = {}  # [V] bool
         self.output_counts: dict[str, torch.Tensor] = {}  # [V] int32
 
     def add_request(self, req_id: str, token_ids: Sequence[int], prompt_len: int, params: Any) -> None:
-        """Count a request the runner takes (new, or resumed with its outputs after its prompt): which tokens its
-        prompt holds, how often each output token came. Nothing for a request without penalties. Mirrors
-        ``PenaltiesState.add_request`` and ``bincount``."""
+        """Take a request the runner takes (new, or resumed with its outputs after its prompt), to be counted: which
+        tokens its prompt holds, how often each output token came. Nothing for a request without penalties.
+        Mirrors ``PenaltiesState.add_request``."""
         self.remove_request(req_id)
-        if not use_penalty(params):
-            return
-        ids = torch.tensor(list(token_ids), dtype=torch.long)
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        mask[ids[:prompt_len]] = True
-        counts = torch.bincount(ids[prompt_len:], minlength=self.vocab_size).to(torch.int32)
-        self.prompt_mask[req_id] = mask.to(self.device)
-        self.output_counts[req_id] = counts.to(self.device)
+        if use_penalty(params):
+            self._taken[req_id] = (list(token_ids), prompt_len)
 
     def remove_request(self, req_id: str) -> None:
+        self._taken.pop(req_id, None)
         self.prompt_mask.pop(req_id, None)
         self.output_counts.pop(req_id, None)
+
+    def _count(self, req_id: str, vocab_size: int) -> None:
+        """Build a taken request's mask and counts. Mirrors ``bincount``."""
+        token_ids, prompt_len = self._taken.pop(req_id)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[ids[:prompt_len]] = True
+        self.prompt_mask[req_id] = mask.to(self.device)
+        self.output_counts[req_id] = torch.bincount(ids[prompt_len:], minlength=vocab_size).to(
+            torch.int32).to(self.device)
 
     def apply(self, logits: torch.Tensor, req_ids: Sequence[str], params: Sequence[Any]) -> None:
         """Penalise, in place, the rows of ``logits [S, V]`` whose request (``req_ids[i]``, ``params[i]``) uses a
         penalty. Mirrors ``PenaltiesState.apply_penalties``: no work when no row does."""
-        rows = [i for i, r in enumerate(req_ids) if r in self.output_counts]
+        rows = [i for i, r in enumerate(req_ids) if r in self._taken or r in self.output_counts]
         if not rows:
             return
+        for i in rows:
+            if req_ids[i] in self._taken:
+                self._count(req_ids[i], logits.shape[-1])
         idx = torch.tensor(rows, device=logits.device)
         sub = logits[idx].float()  # [R, V]
         apply_penalties(
