@@ -57,6 +57,9 @@ def test_logprobs_values_refused_in_vllms_words(llama, prompts):
                                              "allowed: 20"):
             llm.generate(prompts[0], SamplingParams(max_tokens=2, logprobs=asked), use_tqdm=False)
     assert not llm.engine_core.requests
+    with pytest.raises(ValueError, match="Requested sample logprobs of 600, which is more than the vocabulary"):
+        LLM(llama, num_gpu_blocks=60, block_size=8, max_logprobs=1000).generate(
+            prompts[0], SamplingParams(max_tokens=2, logprobs=600), use_tqdm=False)  # (vLLM's worker fails)
     with pytest.raises(ValueError, match="max_logprobs must be an int >= -1"):
         LLM(llama, num_gpu_blocks=60, block_size=8, max_logprobs=-2)
     whole = LLM(llama, num_gpu_blocks=60, block_size=8, max_logprobs=-1).generate(

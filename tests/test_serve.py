@@ -146,16 +146,21 @@ def test_sixteen_concurrent_streams(srv):
     idle(srv)
 
 
+#: A 400 whose param must be null: vLLM 0.26 reports a plain ValueError (most of SamplingParams' checks) with no
+#: param (``create_error_response``, ``vllm/entrypoints/serve/utils/error_response.py``); only a
+#: ``VLLMValidationError`` names its field.
+NULL = "<null>"
+
 BAD = [
     (b"{not json", 400, None),
     (b'{"prompt": "hi", "max_tokens": "many"}', 400, "body.max_tokens"),
     (b'{"prompt": "hi", "temperature": "hot"}', 400, "body.temperature"),
     (b'{"prompt": [1, -3]}', 400, None),
     (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
-    (b'{"prompt": "hi", "n": 0}', 400, "n"),
+    (b'{"prompt": "hi", "n": 0}', 400, NULL),
     (b'{"prompt": "hi", "temperature": 3.5}', 400, "temperature"),
     (b'{"prompt": "hi", "top_p": 0}', 400, "top_p"),
-    (b'{"prompt": "hi", "top_k": -5}', 400, "top_k"),
+    (b'{"prompt": "hi", "top_k": -5}', 400, NULL),
     (b'{"prompt": [600, 1]}', 400, None),  # vLLM 0.26: a plain ValueError, no param (test below)
     (b'{"prompt": "hi", "stop_token_ids": [100000]}', 400, "stop_token_ids"),
     (b'{"prompt": ""}', 400, "prompt"),
@@ -173,15 +178,15 @@ BAD = [
     # vLLM 0.26's own refusals, with its param (the lab served these, or named another field)
     (b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options"),
     (json.dumps({"prompt": [3] * 10, "max_tokens": MAX_MODEL_LEN + 1}).encode(), 400, "max_tokens"),
-    (b'{"prompt": "hi", "n": 2, "temperature": 0}', 400, "n"),
-    (b'{"prompt": "hi", "n": 16385}', 400, "n"),
+    (b'{"prompt": "hi", "n": 2, "temperature": 0}', 400, NULL),
+    (b'{"prompt": "hi", "n": 16385}', 400, NULL),
     (b'{"prompt": "hi", "stop": 5}', 400, "body.stop"),
     (json.dumps({"prompt": [[1]] * 1025}).encode(), 400, "prompt"),
     # what the lab's engine cannot serve is refused, not ignored
-    (b'{"prompt": "hi", "min_tokens": 4, "max_tokens": 3}', 400, "min_tokens"),
-    (b'{"prompt": "hi", "min_p": 2}', 400, "min_p"),
-    (b'{"prompt": "hi", "frequency_penalty": 3}', 400, "frequency_penalty"),
-    (b'{"prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),
+    (b'{"prompt": "hi", "min_tokens": 4, "max_tokens": 3}', 400, NULL),
+    (b'{"prompt": "hi", "min_p": 2}', 400, NULL),
+    (b'{"prompt": "hi", "frequency_penalty": 3}', 400, NULL),
+    (b'{"prompt": "hi", "repetition_penalty": 0}', 400, NULL),
     (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
     (b'{"prompt": "hi", "prompt_logprobs": 1}', 400, "prompt_logprobs"),
     (b'{"prompt": "hi", "logprobs": 1, "logprob_token_ids": [5]}', 400, "logprob_token_ids"),
@@ -199,7 +204,7 @@ def test_bad_requests_get_openai_errors_and_change_nothing(srv, body, status, pa
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
     if param is not None:
-        assert err["param"] == param, err
+        assert err["param"] == (None if param == NULL else param), err
     assert srv.client.get("/health").status_code == 200
     assert idle(srv)["block_tables"] == {}
 
@@ -222,7 +227,7 @@ def test_bad_chat_requests(srv):
             ({"messages": hi, "stream_options": {"include_usage": True}}, 400, "stream_options"),
             ({"messages": hi, "max_completion_tokens": MAX_MODEL_LEN + 1}, 400, "max_completion_tokens"),
             ({"messages": hi, "max_tokens": MAX_MODEL_LEN + 1}, 400, "max_tokens"),
-            ({"messages": hi, "n": 3, "temperature": 0.0}, 400, "n"),
+            ({"messages": hi, "n": 3, "temperature": 0.0}, 400, NULL),
             ({"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 400, None),
             ({"messages": hi, "continue_final_message": True}, 400, None),  # the template refuses the pair
             ({"messages": hi, "top_logprobs": 2}, 400, "top_logprobs"),  # vLLM: needs logprobs: true
@@ -237,7 +242,7 @@ def test_bad_chat_requests(srv):
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["code"] == status
         if param is not None:
-            assert r.json()["error"]["param"] == param, (body, r.text)
+            assert r.json()["error"]["param"] == (None if param == NULL else param), (body, r.text)
     assert srv.client.get("/nope").status_code == 404
     assert srv.client.get("/nope").json()["error"]["code"] == 404
 
@@ -534,10 +539,29 @@ def test_logprobs_over_http_are_generates_in_openais_shapes(srv):
         "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
     assert len(chat) == 4 and all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token"] == c["token"]
                                   and c["bytes"] == list(c["token"].encode()) for c in chat)
-    plain = srv.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 4, "temperature": 0}).json()
-    assert plain["choices"][0]["logprobs"] is None
+    for extra in ({}, {"logprobs": True, "top_logprobs": None}):  # vLLM: no logprobs without top_logprobs
+        for stream in (False, True):
+            r = srv.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+                "stream": stream, **extra})
+            assert r.status_code == 200, r.text
+            choices = [c for e in sse(r.text) for c in e["choices"]] if stream else r.json()["choices"]
+            assert all(c["logprobs"] is None for c in choices) and "error" not in r.text, (extra, r.text)
     idle(srv)
+
+
+def test_max_logprobs_and_generation_config_flags():
+    """vLLM's ``--max-logprobs`` and ``--generation-config`` reach the engine: 25 logprobs refused at the default
+    20 and served at 30; with ``vllm`` the model's generation config no longer fills omitted fields."""
+    with serving("--max-logprobs", "30", "--generation-config", "vllm") as s:
+        assert s.llm.max_logprobs == 30 and s.llm.generation_config == "vllm"
+        top = completion(s, prompt=[9, 8, 7], max_tokens=2, temperature=0, logprobs=25,
+                         return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+        assert [len(t) for t in top["top_logprobs"]] == [25, 25]  # greedy: the sampled token is the top one
+        s.llm.model.generation_config.temperature = 0.0  # ignored: "vllm"
+        assert s.llm.get_diff_sampling_param() == {}
+    r = make_arg_parser().parse_args(["tiny"])
+    assert (r.max_logprobs, r.generation_config) == (20, "auto")
 
 
 def test_cache_salt_isolates_tenants(srv):

@@ -637,7 +637,8 @@ class LLM:
 
     def check_logprobs(self, params: SamplingParams) -> None:
         """``ValueError`` when ``params.logprobs`` (``-1``: the vocabulary) is more than ``max_logprobs``, in vLLM's
-        words. Mirrors ``SamplingParams._validate_logprobs`` (``vllm/sampling_params.py``)."""
+        words, or more than the vocabulary. Mirrors ``SamplingParams._validate_logprobs``
+        (``vllm/sampling_params.py``)."""
         vocab = self.model.config.vocab_size
         limit = vocab if self.max_logprobs == -1 else self.max_logprobs
         if params.logprobs:
@@ -645,6 +646,9 @@ class LLM:
             if requested > limit:
                 raise ValueError(f"Requested sample logprobs of {requested}, which is greater than max allowed: "
                                  f"{limit}")
+            if requested > vocab:  # the lab's own: vLLM lets it through, and its worker fails in torch.topk
+                raise ValueError(f"Requested sample logprobs of {requested}, which is more than the vocabulary "
+                                 f"({vocab} tokens); -1 asks for all of them")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by

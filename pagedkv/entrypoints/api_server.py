@@ -47,6 +47,10 @@ from pagedkv.entrypoints import protocol as P
 from pagedkv.entrypoints.chat_utils import render_chat
 from pagedkv.entrypoints.cli_args import make_arg_parser
 
+#: The fields whose SamplingParams checks raise vLLM 0.26's ``VLLMValidationError`` (``vllm/sampling_params.py``),
+#: so that the 400 names them; every other check's error has ``param: null``.
+_SAMPLING_PARAMS_NAMED = ("temperature", "top_p", "max_tokens", "logprobs")
+
 
 class ServingError(Exception):
     """An error answered with OpenAI's body and a status code."""
@@ -198,7 +202,8 @@ class OpenAIServing:
             raise ServingError(f"{name} is not supported by this server (the lab's engine cannot serve it)",
                                HTTPStatus.BAD_REQUEST, name)
         if request.n < 1:
-            raise ServingError(f"n must be at least 1, got {request.n}.", HTTPStatus.BAD_REQUEST, "n")
+            # SamplingParams' check, a plain ValueError in vLLM: no param
+            raise ServingError(f"n must be at least 1, got {request.n}.", HTTPStatus.BAD_REQUEST)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -273,8 +278,11 @@ class OpenAIServing:
                 ignore_eos=request.ignore_eos, logprobs=request.sample_logprobs(),
             )
         except ValueError as exc:
+            # vLLM names the field only where SamplingParams raises a VLLMValidationError; its other checks
+            # raise a plain ValueError, reported with no param (create_error_response)
             param = str(exc).split(" ", 1)[0]
-            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, param) from None
+            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST,
+                               param if param in _SAMPLING_PARAMS_NAMED else None) from None
         try:
             self.engine.llm.check_logprobs(params)  # SamplingParams._validate_logprobs: max_logprobs
         except ValueError as exc:
@@ -666,7 +674,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                         ids["stop_reason"] = d.stop_reason
                     usage = {"usage": serving.usage([prompt], len(run.token_ids[d.index]), None)} if continuous else {}
                     logprobs = (serving.chat_logprobs(request, d.token_ids, d.logprobs or [])
-                                if request.logprobs else None)
+                                if request.sample_logprobs() is not None else None)
                     yield _sse(chunk(choices=[P.ChatCompletionResponseStreamChoice(
                         index=d.index, delta=P.DeltaMessage(content=d.text), logprobs=logprobs,
                         finish_reason=d.finish_reason, **ids)], **usage))
@@ -682,7 +690,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         choices = [P.ChatCompletionResponseChoice(index=i, message=P.ChatMessageOut(content=run.text[i]),
                                                   logprobs=(serving.chat_logprobs(request, run.token_ids[i],
                                                                                   run.logprobs[i])
-                                                            if request.logprobs else None),
+                                                            if request.sample_logprobs() is not None else None),
                                                   finish_reason=run.finish[i], stop_reason=run.stop_reason[i],
                                                   token_ids=run.token_ids[i] if with_ids else None)
                    for i in range(request.n)]
@@ -729,7 +737,8 @@ def build_engine(args: argparse.Namespace) -> tuple[AsyncLLM, str]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=args.enable_prefix_caching and args.kv_reservation == "paged",
                   preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
-                  dtype=args.dtype, seed=args.seed,
+                  dtype=args.dtype, seed=args.seed, max_logprobs=args.max_logprobs,
+                  generation_config=args.generation_config,
                   enforce_eager=args.enforce_eager, tokenizer=tokenizer, device=device,
                   usage_context="OPENAI_API_SERVER")  # vLLM's server's batch defaults (EngineArgs.get_batch_defaults)
     print(describe_kv_pool(llm, args, log.getvalue()), flush=True)

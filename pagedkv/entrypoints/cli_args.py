@@ -49,6 +49,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="config fields to change, as JSON (only with MODEL 'tiny' here): e.g. "
                    "'{\"hidden_size\": 256, \"num_hidden_layers\": 4}'")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs a request may ask for (-1: the whole vocabulary)")
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="'auto': the model's generation config gives the sampling defaults of omitted fields; "
+                   "'vllm': vLLM's neutral ones (vLLM also takes a folder; the lab does not)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (off by default, as in vLLM)")

@@ -301,6 +301,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: None = None  # vLLM's key; the lab computes no prompt logprobs
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
@@ -353,6 +354,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: None = None  # vLLM's key; the lab computes no prompt logprobs
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
