@@ -187,7 +187,9 @@ BAD = [
     (b'{"prompt": "hi", "min_p": 2}', 400, NULL),
     (b'{"prompt": "hi", "frequency_penalty": 3}', 400, NULL),
     (b'{"prompt": "hi", "repetition_penalty": 0}', 400, NULL),
-    (b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
+    (b'{"prompt": "hi", "logit_bias": {"x": 10}}', 400, "logit_bias"),  # vLLM: keys that are not token ids
+    (b'{"prompt": "hi", "logit_bias": {"600": 10}}', 400, "logit_bias"),  # outside the vocabulary
+    (b'{"prompt": "hi", "allowed_token_ids": []}', 400, "allowed_token_ids"),
     (b'{"prompt": "hi", "prompt_logprobs": 1}', 400, "prompt_logprobs"),
     (b'{"prompt": "hi", "logprobs": 1, "logprob_token_ids": [5]}', 400, "logprob_token_ids"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
@@ -484,10 +486,10 @@ def test_sampling_parameters_n_seed_and_stop(srv):
     idle(srv)
 
 
-def test_min_tokens_min_p_and_penalties_are_served(srv):
-    """vLLM's ``min_tokens``, ``min_p`` and penalty fields reach the sampler: the answers are offline ``generate``'s
-    with the same parameters (the stop token masked for the first 5 tokens; ``min_p=1`` leaves only the likeliest
-    token)."""
+def test_min_tokens_min_p_penalties_and_logit_bias_are_served(srv):
+    """vLLM's ``min_tokens``, ``min_p``, penalty, ``logit_bias`` and ``allowed_token_ids`` fields reach the
+    sampler: the answers are offline ``generate``'s with the same parameters (the stop token masked for the first
+    5 tokens; ``min_p=1`` leaves only the likeliest token; a bias of 100 forces its token)."""
     greedy = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, return_token_ids=True)["choices"][0]
     stop = greedy["token_ids"][1]
     got = completion(srv, prompt=[9, 8, 7], max_tokens=10, temperature=0, stop_token_ids=[stop], min_tokens=5,
@@ -504,6 +506,12 @@ def test_min_tokens_min_p_and_penalties_are_served(srv):
     want = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=10, temperature=0.0, **penalties),
                         use_tqdm=False)[0].outputs[0]
     assert got["choices"][0]["token_ids"] == want.token_ids != greedy["token_ids"]
+    forced = completion(srv, prompt=[9, 8, 7], max_tokens=5, temperature=0, logit_bias={"5": 1000},  # clamped: 100
+                        return_token_ids=True)["choices"][0]["token_ids"]
+    assert forced == [5] * 5
+    kept = completion(srv, prompt=[9, 8, 7], max_tokens=8, temperature=1.5, seed=3, allowed_token_ids=[7, 9],
+                      return_token_ids=True)["choices"][0]["token_ids"]
+    assert set(kept) <= {7, 9}
     idle(srv)
 
 

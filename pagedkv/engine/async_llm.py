@@ -35,6 +35,7 @@ from typing import Any
 
 from pagedkv.engine.core import EngineCoreOutput
 from pagedkv.engine.core import EngineCoreRequest as CoreRequest
+from pagedkv.engine.exceptions import InvalidRequestError
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.metrics import PrometheusStatLogger
 from pagedkv.engine.output_processor import CompletionDelta, RequestState
@@ -43,15 +44,6 @@ from pagedkv.engine.sampling_params import SamplingParams
 #: Steps in a row that may schedule nothing while requests are unfinished before the loop gives up on them
 #: (a scheduler bug, never a wait): their clients get an error instead of waiting forever.
 MAX_IDLE_STEPS = 1000
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses (a 400 for the server); ``parameter`` names the field at fault.
-    Mirrors ``VLLMValidationError`` (``vllm/exceptions.py``)."""
-
-    def __init__(self, message: str, parameter: str | None = None) -> None:
-        super().__init__(message)
-        self.parameter = parameter
 
 
 class EngineDeadError(RuntimeError):
@@ -230,12 +222,9 @@ class AsyncLLM:
             raise EngineDeadError("the engine has been shut down; create a new AsyncLLM")
         try:
             sampling_params = sampling_params.verified()  # the one check, SamplingParams._verify_args
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        try:
-            self.llm.check_logprobs(sampling_params)  # against max_logprobs
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), "logprobs") from None
+            self.llm.verify_sampling_params(sampling_params)  # against the model: SamplingParams.verify
+        except ValueError as exc:  # the field, where vLLM names it (its VLLMValidationError)
+            raise InvalidRequestError(str(exc), getattr(exc, "parameter", None)) from None
         stop = list(stop) or list(sampling_params.stop)  # the keyword's, else the parameters' own (vLLM's place)
         include_stop_str_in_output = include_stop_str_in_output or sampling_params.include_stop_str_in_output
         if stop and self.tokenizer is None:

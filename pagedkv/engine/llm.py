@@ -635,20 +635,11 @@ class LLM:
                 f"use num_gpu_blocks >= {need + 1} (block 0 is the null block) or a smaller max_tokens"
             )
 
-    def check_logprobs(self, params: SamplingParams) -> None:
-        """``ValueError`` when ``params.logprobs`` (``-1``: the vocabulary) is more than ``max_logprobs``, in vLLM's
-        words, or more than the vocabulary. Mirrors ``SamplingParams._validate_logprobs``
-        (``vllm/sampling_params.py``)."""
-        vocab = self.model.config.vocab_size
-        limit = vocab if self.max_logprobs == -1 else self.max_logprobs
-        if params.logprobs:
-            requested = vocab if params.logprobs == -1 else params.logprobs
-            if requested > limit:
-                raise ValueError(f"Requested sample logprobs of {requested}, which is greater than max allowed: "
-                                 f"{limit}")
-            if requested > vocab:  # the lab's own: vLLM lets it through, and its worker fails in torch.topk
-                raise ValueError(f"Requested sample logprobs of {requested}, which is more than the vocabulary "
-                                 f"({vocab} tokens); -1 asks for all of them")
+    def verify_sampling_params(self, params: SamplingParams) -> None:
+        """``params.verify`` against this engine's model (its vocabulary) and ``max_logprobs``: vLLM's checks of a
+        request's sampling parameters that need the model (``SamplingParams.verify``, called by vLLM's
+        ``InputProcessor.process_inputs``)."""
+        params.verify(self.model.config.vocab_size, self.max_logprobs)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by
@@ -752,7 +743,7 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params_list):
             raise ValueError("stop strings need a tokenizer; this model has none: use stop_token_ids")
         for params in params_list:
-            self.check_logprobs(params)
+            self.verify_sampling_params(params)
         clamped = []
         for i, (ids, params) in enumerate(zip(prompt_ids, params_list, strict=True)):
             # vLLM 0.26 lets the request run and ends it at max_model_len (check_stop: FINISHED_LENGTH_CAPPED,

@@ -80,6 +80,7 @@ from pagedkv.engine.attention import (
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
 from pagedkv.engine.logprobs import LogprobsLists, LogprobsTensors, compute_topk_logprobs, num_logprobs
 from pagedkv.engine.penalties import PenaltiesState
+from pagedkv.engine.sampler import apply_logit_bias, uses_logit_bias
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
 from pagedkv.sched_output import SchedulerOutput
 from pagedkv.sizing.kv_cache_utils import kv_page_bytes
@@ -920,27 +921,25 @@ class ModelRunner:
     # One step
     # ------------------------------------------------------------------------------------------------
     def _sample(self, batch: InputBatch, logits: torch.Tensor) -> tuple[torch.Tensor, LogprobsTensors | None]:
-        """One token per sampled row, on the device; each row with its request's parameters and generator, its
-        penalties applied first (:class:`~pagedkv.engine.penalties.PenaltiesState`, which then counts the
-        samples), and, where a request asks for ``min_tokens``, the position of its sampled row and its prompt's
-        length (the mask of its stop tokens depends on them). When a request asks for logprobs, every row's are
-        computed from the raw logits (a copy kept before the penalties and masks change them in place), with the
-        batch's largest ``logprobs``. Mirrors ``Sampler.add_request(req_idx, prompt_len, ...)`` and
-        ``Sampler.__call__`` (``vllm/v1/worker/gpu/sample/sampler.py``), where the penalties come after the
-        min-tokens mask (the order changes nothing: a masked logit stays -inf)."""
+        """One token per sampled row, on the device, in Model Runner V2's order (``Sampler.__call__`` and
+        ``apply_sampling_params``, ``vllm/v1/worker/gpu/sample/sampler.py``): the logit bias (allowed tokens,
+        biases, the min-tokens mask: :func:`~pagedkv.engine.sampler.apply_logit_bias`, which needs each sampled
+        row's position and its request's original prompt length), the penalties
+        (:class:`~pagedkv.engine.penalties.PenaltiesState`, which then counts the samples), then the sampler with
+        each row's parameters and generator. When a request asks for logprobs, every row's are computed from the
+        raw logits (a copy kept before all that changes them in place), with the batch's largest ``logprobs``."""
         rids = batch.sample_req_ids
         params = [self.requests[r].sampling_params for r in rids]
         gens = [self.generators.get(r) for r in rids]
         wanted = [num_logprobs(p.logprobs, logits.shape[-1]) for p in params
                   if p is not None and getattr(p, "logprobs", None) is not None]
         raw = logits.clone() if wanted else None  # [S, V]: vLLM's default logprobs_mode, "raw_logprobs"
-        self.penalties.apply(logits, rids, params)
-        positions = prompt_lens = None
-        if any(p is not None and p.min_tokens for p in params):
+        if any(uses_logit_bias(p) for p in params):
             seq_lens = dict(zip(batch.req_ids, batch.seq_lens_host, strict=True))
             positions = [seq_lens[r] - 1 for r in rids]  # the sampled row's position: its last input token's
-            prompt_lens = [self.prompt_lens.get(r, 0) for r in rids]
-        sampled = self.sampler.sample(logits, params, gens, positions, prompt_lens)
+            apply_logit_bias(logits, params, positions, [self.prompt_lens.get(r, 0) for r in rids])
+        self.penalties.apply(logits, rids, params)
+        sampled = self.sampler.sample(logits, params, gens)
         self.penalties.update(rids, sampled)
         return sampled, None if raw is None else compute_topk_logprobs(raw, sampled, max(wanted))
 

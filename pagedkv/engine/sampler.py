@@ -1,4 +1,5 @@
-"""From logits to tokens: min_tokens, greedy, temperature, min-p, top-k, top-p, a generator per seeded request.
+"""From logits to tokens: logit bias (allowed tokens, biases, min_tokens), greedy, temperature, min-p, top-k,
+top-p, a generator per seeded request.
 
 Mirrors vLLM 0.26's ``Sampler`` (``vllm/v1/sample/sampler.py``) and ``random_sample``
 (``vllm/v1/sample/ops/topk_topp_sampler.py``): instead of ``torch.multinomial`` it draws exponential noise
@@ -29,17 +30,35 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return gen
 
 
-def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams | None], positions: Sequence[int],
+def uses_logit_bias(params: SamplingParams | None) -> bool:
+    """Whether a row's request asks for any of what :func:`apply_logit_bias` does (``use_logit_bias``)."""
+    return params is not None and bool(params.allowed_token_ids or params.logit_bias or params.min_tokens)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams | None], positions: Sequence[int],
                      prompt_lens: Sequence[int]) -> None:
-    """Mask (to -inf), in ``logits [S, V]``, the stop tokens (``all_stop_token_ids``: ``stop_token_ids`` and the
-    model's EOS ids) of each row whose request has not reached ``min_tokens`` yet: while the token sampled at
-    ``positions[i] + 1`` is among the first ``min_tokens`` outputs, ``positions[i] + 1 < prompt_lens[i] +
-    min_tokens``. Mirrors the min-tokens part of ``_bias_kernel`` (``vllm/v1/worker/gpu/sample/logit_bias.py``)."""
+    """Each row's biases, in place in ``logits [S, V]``, in Model Runner V2's order (``_bias_kernel`` in
+    ``vllm/v1/worker/gpu/sample/logit_bias.py``): with ``allowed_token_ids`` every other token is set to -inf;
+    ``logit_bias`` is added to its tokens; and while the token sampled at ``positions[i] + 1`` is among the first
+    ``min_tokens`` outputs (``positions[i] + 1 < prompt_lens[i] + min_tokens``) the stop tokens
+    (``all_stop_token_ids``: ``stop_token_ids`` and the model's EOS ids) are set to -inf. ``positions[i]`` is the
+    position of the row's last input token, ``prompt_lens[i]`` its request's original prompt length."""
+    device = logits.device
     for i, p in enumerate(params):
-        if p is not None and p.min_tokens and p.all_stop_token_ids and (
-                positions[i] + 1 < prompt_lens[i] + p.min_tokens):
-            ids = torch.tensor(sorted(p.all_stop_token_ids), dtype=torch.long, device=logits.device)
-            logits[i, ids[ids < logits.shape[-1]]] = float("-inf")
+        if not uses_logit_bias(p):
+            continue
+        row = logits[i]  # [V], a view
+        if p.allowed_token_ids:
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)
+            kept = row[ids].clone()
+            row.fill_(float("-inf"))
+            row[ids] = kept
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=device)
+        if p.min_tokens and p.all_stop_token_ids and positions[i] + 1 < prompt_lens[i] + p.min_tokens:
+            ids = torch.tensor(sorted(p.all_stop_token_ids), dtype=torch.long, device=device)
+            row[ids[ids < row.shape[0]]] = float("-inf")
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -89,26 +108,19 @@ class Sampler:
         logits: torch.Tensor,  # [S, V]
         params: Sequence[SamplingParams | None],
         generators: Sequence[torch.Generator | None],
-        positions: Sequence[int] | None = None,
-        prompt_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Rows whose request asks for ``min_tokens`` first have their stop tokens masked (:func:`apply_min_tokens`,
-        which needs ``positions`` and ``prompt_lens``; ``logits`` is then changed in place). Greedy rows (and rows
-        with no parameters) take the argmax of those logits (ties: the lowest id, as ``torch.argmax``); the others
-        are divided by their temperature, cut by min-p, top-k and top-p, softmaxed and sampled with exponential
-        noise. Returns one token id per row, ``[S]`` int64 on the logits' device; nothing here waits for the device
-        (which cuts apply is decided from the host's parameters). Mirrors ``Sampler.sample`` and
-        ``apply_sampling_params`` (``vllm/v1/worker/gpu/sample/sampler.py``); the penalties are applied before, by
-        the runner (``pagedkv.engine.penalties``); no bad words or logit bias in the lab."""
+        """Greedy rows (and rows with no parameters) take the argmax of the logits (ties: the lowest id, as
+        ``torch.argmax``); the others are divided by their temperature, cut by min-p, top-k and top-p, softmaxed
+        and sampled with exponential noise. Returns one token id per row, ``[S]`` int64 on the logits' device;
+        nothing here waits for the device (which cuts apply is decided from the host's parameters). Mirrors
+        ``Sampler.sample`` and ``apply_sampling_params`` (``vllm/v1/worker/gpu/sample/sampler.py``), from the
+        temperature on: the runner applies the logit bias (:func:`apply_logit_bias`) and the penalties
+        (``pagedkv.engine.penalties``) before; no bad words in the lab."""
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators")
         if logits.shape[0] == 0:
             return torch.empty(0, dtype=torch.long, device=logits.device)
         logits = logits.float()
-        if any(p is not None and p.min_tokens for p in params):
-            if positions is None or prompt_lens is None:
-                raise ValueError("min_tokens needs each row's position and prompt length")
-            apply_min_tokens(logits, params, positions, prompt_lens)
         if cpu_ops.serves(logits) and logits.stride(-1) == 1:  # compiled: one pass, ~10x PyTorch's reduction
             tokens = cpu_ops.argmax(logits)  # [S]
         else:  # max(dim).indices: torch.argmax's token (ties: the first, the lowest id), about 3x faster on a CPU

@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pagedkv.utils import check_int, is_real
+from pagedkv.engine.exceptions import InvalidRequestError
+from pagedkv.utils import check_int, is_int, is_real
 
 #: The smallest temperature above 0: vLLM 0.26 raises ``0 < t < 1e-2`` to ``1e-2`` (``_MAX_TEMP``).
 MIN_TEMPERATURE = 1e-2
 #: The most completions one request may ask for: vLLM 0.26's ``VLLM_MAX_N_SEQUENCES`` default (``vllm/envs.py``).
 MAX_N_SEQUENCES = 16384
+#: The most ``allowed_token_ids`` and ``logit_bias`` entries one request may have: Model Runner V2's buffers
+#: (``MAX_NUM_ALLOWED_TOKEN_IDS``, ``MAX_NUM_LOGIT_BIAS_TOKENS`` in ``vllm/v1/worker/gpu/sample/logit_bias.py``).
+MAX_NUM_ALLOWED_TOKEN_IDS = MAX_NUM_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass
@@ -35,6 +39,8 @@ class SamplingParams:
     ``logprobs``: with each generated token, its log-probability and rank and those of the ``logprobs`` likeliest
     tokens (``-1``: the whole vocabulary; ``True`` is 1; ``None``: none), from the raw logits (vLLM's default
     ``logprobs_mode``: before penalties, temperature and cuts); at most the engine's ``max_logprobs``.
+    ``logit_bias`` (``{token_id: bias}``) adds to those tokens' logits; ``allowed_token_ids`` leaves only those
+    tokens possible. Both come first, before the penalties (vLLM's ``_bias_kernel`` order).
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
@@ -54,6 +60,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     #: every token ``min_tokens`` keeps from being sampled: ``stop_token_ids`` and the model's EOS ids, which the
     #: engine adds when it takes the request (vLLM's ``_all_stop_token_ids``, set by
     #: ``update_from_generation_config``), whether or not ``ignore_eos``
@@ -94,6 +102,10 @@ class SamplingParams:
         if self.temperature == 0.0:  # greedy: the limits mean nothing
             self.top_k, self.top_p, self.min_p = 0, 1.0, 0.0
         self._all_stop_token_ids = frozenset(self.stop_token_ids)
+        if self.logit_bias is not None:  # the engine's own copies: a caller's later change reaches nothing queued
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
 
     def _verify_args(self) -> None:
         """``ValueError`` naming the first invalid field and its valid range; changes nothing. Runs at
@@ -118,13 +130,13 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
         if not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature}.")
+            raise InvalidRequestError(f"temperature must be a finite number, got {self.temperature}.", "temperature")
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise InvalidRequestError(f"temperature must be non-negative, got {self.temperature}.", "temperature")
         if self.temperature > 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}.", "temperature")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         check_int(self.top_k, "top_k", None)
         if self.top_k < -1:  # -1 is quietly "no limit", as 0
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
@@ -133,7 +145,7 @@ class SamplingParams:
         if self.max_tokens is not None:  # None: up to max_model_len (vLLM's InputProcessor.process_inputs)
             check_int(self.max_tokens, "max_tokens", None)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+                raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
         check_int(self.min_tokens, "min_tokens", None)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
@@ -143,7 +155,16 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int(self.logprobs, "logprobs", None)
             if self.logprobs < -1:
-                raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+                raise InvalidRequestError(f"logprobs must be non-negative or -1, got {self.logprobs}.", "logprobs")
+        if self.logit_bias is not None:  # the lab's type checks (vLLM's server converts the keys: from_optional)
+            if not isinstance(self.logit_bias, dict) or not all(
+                    is_int(k) and is_real(v) and math.isfinite(v) for k, v in self.logit_bias.items()):
+                raise InvalidRequestError(f"logit_bias must be a dict of token id (int) to a finite bias, got "
+                                          f"{self.logit_bias!r}", "logit_bias")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not all(is_int(t) for t in self.allowed_token_ids):
+                raise InvalidRequestError(f"allowed_token_ids must be a list of token ids (ints), got "
+                                          f"{self.allowed_token_ids!r}", "allowed_token_ids")
         if self.seed is not None and self.seed != -1:
             # completion i of n is seeded with seed + i; torch.Generator.manual_seed takes -2**63 .. 2**64 - 1
             check_int(self.seed, "seed", -(2**63), 2**64 - self.n,
@@ -183,6 +204,41 @@ class SamplingParams:
         if eos_token_id is not None:
             eos.add(eos_token_id)
         self._all_stop_token_ids = self._all_stop_token_ids | eos
+
+    def verify(self, vocab_size: int, max_logprobs: int) -> None:
+        """The checks that need the model: ``InvalidRequestError`` naming the field, in vLLM's words, when
+        ``logprobs`` is more than ``max_logprobs`` (``-1``: the vocabulary), when a ``logit_bias`` or
+        ``allowed_token_ids`` id is outside the vocabulary, or ``allowed_token_ids`` is empty. Changes nothing.
+        Mirrors ``SamplingParams.verify`` (``_validate_logprobs``, ``_validate_logit_bias``,
+        ``_validate_allowed_token_ids``; vLLM checks ``allowed_token_ids`` against the tokenizer's length, the lab
+        against the model's vocabulary). Lab additions, where vLLM's worker would fail instead: ``logprobs`` beyond
+        the vocabulary, and more than 1024 ``allowed_token_ids`` or ``logit_bias`` entries (V2's buffers, whose
+        words these are)."""
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        if self.logprobs:
+            requested = vocab_size if self.logprobs == -1 else self.logprobs
+            if requested > limit:
+                raise InvalidRequestError(f"Requested sample logprobs of {requested}, which is greater than max "
+                                          f"allowed: {limit}", "logprobs")
+            if requested > vocab_size:
+                raise InvalidRequestError(f"Requested sample logprobs of {requested}, which is more than the "
+                                          f"vocabulary ({vocab_size} tokens); -1 asks for all of them", "logprobs")
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                                          f"Vocabulary size: {vocab_size}", "logit_bias")
+            if len(self.logit_bias) > MAX_NUM_LOGIT_BIAS_TOKENS:
+                raise InvalidRequestError(f"Too many logit bias tokens: {len(self.logit_bias)}. The max size is "
+                                          f"{MAX_NUM_LOGIT_BIAS_TOKENS}.", "logit_bias")
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise InvalidRequestError("allowed_token_ids is not None and empty!", "allowed_token_ids")
+            if any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
+                raise InvalidRequestError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+            if len(self.allowed_token_ids) > MAX_NUM_ALLOWED_TOKEN_IDS:
+                raise InvalidRequestError(f"Too many allowed token IDs: {len(self.allowed_token_ids)}. The max "
+                                          f"size is {MAX_NUM_ALLOWED_TOKEN_IDS}.", "allowed_token_ids")
 
     @property
     def all_stop_token_ids(self) -> frozenset[int]:

@@ -38,7 +38,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, InvalidRequestError
+from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedkv.engine.exceptions import InvalidRequestError
 from pagedkv.engine.logprobs import Logprob
 from pagedkv.engine.metrics import CONTENT_TYPE_LATEST
 from pagedkv.engine.output_processor import CompletionDelta
@@ -46,10 +47,6 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.entrypoints import protocol as P
 from pagedkv.entrypoints.chat_utils import render_chat
 from pagedkv.entrypoints.cli_args import make_arg_parser
-
-#: The fields whose SamplingParams checks raise vLLM 0.26's ``VLLMValidationError`` (``vllm/sampling_params.py``),
-#: so that the 400 names them; every other check's error has ``param: null``.
-_SAMPLING_PARAMS_NAMED = ("temperature", "top_p", "max_tokens", "logprobs")
 
 
 class ServingError(Exception):
@@ -276,17 +273,14 @@ class OpenAIServing:
                                     else request.repetition_penalty),
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
                 ignore_eos=request.ignore_eos, logprobs=request.sample_logprobs(),
+                logit_bias=request.token_logit_bias(), allowed_token_ids=request.allowed_token_ids,
             )
-        except ValueError as exc:
-            # vLLM names the field only where SamplingParams raises a VLLMValidationError; its other checks
-            # raise a plain ValueError, reported with no param (create_error_response)
-            param = str(exc).split(" ", 1)[0]
-            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST,
-                               param if param in _SAMPLING_PARAMS_NAMED else None) from None
+        except ValueError as exc:  # the field where vLLM names it (its VLLMValidationError), else param null
+            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, getattr(exc, "parameter", None)) from None
         try:
-            self.engine.llm.check_logprobs(params)  # SamplingParams._validate_logprobs: max_logprobs
-        except ValueError as exc:
-            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, "logprobs") from None
+            self.engine.llm.verify_sampling_params(params)  # SamplingParams.verify: against the model
+        except InvalidRequestError as exc:
+            raise ServingError(str(exc), HTTPStatus.BAD_REQUEST, exc.parameter) from None
         return params
 
     def prepare(self, request: P._SamplingFields, prompts: list[list[int]], max_tokens: int | None,

@@ -6,12 +6,12 @@ Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/op
 ``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``,
 ``ModelPermission``).
 The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve
-(``prompt_logprobs``, beam search, ``logit_bias``, ...: :data:`UNSERVED`), with
+(``prompt_logprobs``, beam search, ``bad_words``, ...: :data:`UNSERVED`), with
 vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
 if it had not (a deliberate difference: vLLM serves them). As in vLLM, any other field is accepted and ignored
 (``OpenAIBaseModel`` has ``extra="allow"``). vLLM's ``mode="before"`` request validators are here with their
 messages and ``param`` (``validate_stream_options``, ``normalize_null_max_tokens``,
-``validate_prompt_list_length``, ``check_generation_prompt``); they raise :class:`~pagedkv.engine.async_llm.
+``validate_prompt_list_length``, ``check_generation_prompt``); they raise :class:`~pagedkv.engine.exceptions.
 InvalidRequestError` (vLLM's ``VLLMValidationError``), whose ``parameter`` the server reports.
 """
 
@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedkv.engine.async_llm import InvalidRequestError
+from pagedkv.engine.exceptions import InvalidRequestError
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 #: The most prompts one ``/v1/completions`` request may list: vLLM 0.26's ``VLLM_MAX_COMPLETION_PROMPTS`` default.
@@ -32,7 +32,6 @@ MAX_COMPLETION_PROMPTS = 1024
 #: vLLM's request fields the lab's engine cannot serve, and the values that ask for nothing (vLLM's defaults, and
 #: what a client sends to mean "off"); any other value is refused with a 400 naming the field.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}), "allowed_token_ids": (None,),
     "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "suffix": (None,), "use_beam_search": (False,), "logprob_token_ids": (None, []),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -130,6 +129,8 @@ class _SamplingFields(OpenAIBaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None  # None: the generation config's, else 1.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
+    allowed_token_ids: list[int] | None = None
     stop_token_ids: list[int] | None = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -161,6 +162,22 @@ class _SamplingFields(OpenAIBaseModel):
     def sample_logprobs(self) -> int | None:
         """``SamplingParams.logprobs`` for this request (``None``: no logprobs)."""
         return None
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer keys and each bias clamped to [-100, 100]; ``InvalidRequestError`` naming
+        the keys that are not integers. Mirrors ``SamplingParams.from_optional`` (``vllm/sampling_params.py``)."""
+        if self.logit_bias is None:
+            return None
+        bias, bad = {}, []
+        for token, value in self.logit_bias.items():
+            try:
+                bias[int(token)] = min(100.0, max(-100.0, value))
+            except (ValueError, TypeError):
+                bad.append(token)
+        if bad:
+            raise InvalidRequestError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
+                                      f"{bad!r}", "logit_bias")
+        return bias
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
