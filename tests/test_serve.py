@@ -443,6 +443,33 @@ def test_disconnects_abort_and_free_blocks(srv):
     assert completion(srv, prompt=[1, 2], max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
+def test_an_abort_updates_the_gauges_before_a_step_in_flight_returns(small_llm):
+    """With async scheduling a step may still be in flight when an abort is applied: the blocks are free at once
+    (a snapshot shows them free), and the gauges must say so at once too. They were recorded only after the next
+    step returned, so ``/metrics`` read right after an idle snapshot could still count the aborted request (the
+    disconnect test failed that way once on a busy machine)."""
+    from pagedkv.engine.async_llm import AsyncLLM, EngineCoreRequest
+    from pagedkv.engine.output_processor import RequestState
+
+    engine = AsyncLLM(small_llm, "tiny")  # its loop is not started: the test drives it by hand
+    sp = SamplingParams(max_tokens=20, temperature=0.0)
+    engine._states["r"] = RequestState("r", 0, [5, 6, 7], sp, [], False, None)
+    engine._pending.append(("add", EngineCoreRequest("r", [5, 6, 7], sp, 20)))
+    engine._apply_pending()
+    engine.core.step()  # launches the first step and returns at once: it is in flight
+    assert engine.core.core.batch_queue
+    engine._record_scheduler_stats()
+    gauges = parse_metrics(engine.stat_logger.render().decode())
+    assert gauges["vllm:num_requests_running"] == 1 and gauges["vllm:kv_cache_usage_perc"] > 0
+    engine._pending.append(("abort", ["r"]))
+    engine._apply_pending()
+    assert engine.core.core.batch_queue  # still in flight
+    gauges = parse_metrics(engine.stat_logger.render().decode())
+    assert gauges["vllm:num_requests_running"] == 0 and gauges["vllm:kv_cache_usage_perc"] == 0
+    while engine.core.has_unfinished_requests():  # drain the step in flight
+        engine.core.step()
+
+
 def test_openai_client_completions_chat_and_stream(srv):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -293,6 +293,9 @@ class AsyncLLM:
     # The engine loop
     # ------------------------------------------------------------------------------------------------
     def _apply_pending(self) -> None:
+        """Apply the adds, aborts and calls queued since the last step, in order. After an abort the gauges are
+        recorded at once: a step may still be in flight (async scheduling), and until it returns an HTTP handler
+        could read a pool already freed (a snapshot) beside gauges that still count the aborted request."""
         pending, self._pending = self._pending, []
         for kind, arg in pending:
             if kind == "add":
@@ -304,6 +307,7 @@ class AsyncLLM:
                     self._deliver_error(arg.request_id, InvalidRequestError(str(exc)))
             elif kind == "abort":
                 self.core.abort_requests(arg)
+                self._record_scheduler_stats()
             else:
                 fn, fut = arg
                 if not fut.done():
