@@ -30,7 +30,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine.core import EngineCoreOutput
@@ -74,8 +74,7 @@ class _LLMEngineCore:
         self.idle_steps = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        params = request.sampling_params  # min_tokens past the room ends at max_model_len, as LLM.generate's
-        params = replace(params, max_tokens=request.max_tokens, min_tokens=min(params.min_tokens, request.max_tokens))
+        params = request.sampling_params.with_max_tokens(request.max_tokens)
         self.core.add_request(CoreRequest(request.request_id, list(request.prompt_token_ids), params,
                                           priority=request.priority, cache_salt=request.cache_salt))
         self.seqs[request.request_id] = request  # after add_request: a refused request is not kept

@@ -122,7 +122,6 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # unfinished requests, by id
         self._stop_ids: dict[str, frozenset[int]] = {}
         self._ignore_eos: dict[str, bool] = {}
-        self._min_tokens: dict[str, int] = {}
         self._num_cached: dict[str, int] = {}
         # attention_s and sample_s are parts of forward_s (the runner's StepTimes)
         self.stats: dict[str, float] = {"steps": 0, "forward_tokens": 0, "schedule_s": 0.0, "prepare_s": 0.0,
@@ -156,7 +155,6 @@ class EngineCore:
         self.requests[rid] = req
         self._stop_ids[rid] = frozenset(stop)
         self._ignore_eos[rid] = params.ignore_eos
-        self._min_tokens[rid] = params.min_tokens
         return req
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> list[str]:
@@ -186,7 +184,6 @@ class EngineCore:
         self.requests.pop(rid, None)
         self._stop_ids.pop(rid, None)
         self._ignore_eos.pop(rid, None)
-        self._min_tokens.pop(rid, None)
         self._num_cached.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -270,7 +267,7 @@ class EngineCore:
             stop_reason = None
             token = tokens[-1]
             # below min_tokens no token stops the request (vLLM's check_stop; the runner masks them anyway)
-            if token in self._stop_ids.get(rid, ()) and req.num_output_tokens >= self._min_tokens.get(rid, 0):
+            if token in self._stop_ids.get(rid, ()) and req.num_output_tokens >= req.sampling_params.min_tokens:
                 eos = self.tokenizer_eos_token_id
                 stop_reason = None if token == eos and not self._ignore_eos[rid] else token
                 if not req.is_finished():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -762,9 +762,7 @@ class LLM:
             for j in range(params.n):  # vLLM's ParentRequest: n requests, seeds seed + j
                 child = params.for_child(j) if params.n > 1 else params
                 rid = base if j == 0 else f"{base}-{j}"
-                # min_tokens past the room the prompt leaves ends at max_model_len too ("length"); vLLM 0.26's
-                # check_stop returns before its length check then, and the request is never scheduled again
-                child = replace(child, max_tokens=max_tokens, min_tokens=min(child.min_tokens, max_tokens))
+                child = child.with_max_tokens(max_tokens)
                 requests.append(EngineCoreRequest(rid, list(ids), child, priority=priorities[i]))
                 completions[rid] = _Completion(i, j, include_stop_str_in_output=child.include_stop_str_in_output)
                 if child.logprobs is not None:

@@ -192,6 +192,13 @@ class SamplingParams:
         already queued. The lab's own; vLLM's ``LLM`` copies the parameters too (``SamplingParams.clone``)."""
         return replace(self)
 
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy that generates at most ``max_tokens`` (what the room ``max_model_len`` leaves, or less), its
+        ``min_tokens`` capped to it: a request whose ``min_tokens`` passes the room ends at ``max_model_len``
+        ("length"). vLLM 0.26's ``check_stop`` returns before its length check then, and the request is never
+        scheduled again: the lab's own end for it."""
+        return replace(self, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens))
+
     def update_from_generation_config(self, generation_config: dict, eos_token_id: int | None = None) -> None:
         """Add the EOS ids (``eos_token_id``, the tokenizer's, and the generation config's ``"eos_token_id"``, an
         int or a list) to :attr:`all_stop_token_ids`, what ``min_tokens`` masks, ``ignore_eos`` or not. The engine
