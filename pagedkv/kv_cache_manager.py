@@ -262,14 +262,16 @@ class KVCacheManager:
         The request's tokens are its prompt and any outputs (a preempted request recomputes both). The
         last token is never a hit: its forward pass is what samples the next token, so a hit covering every
         token is cut back by one block. Nothing in the pool changes (the hit is taken by ``allocate_slots``);
-        only the prefix-cache counters move. Mirrors ``KVCacheManager.get_computed_blocks``.
+        only the prefix-cache counters move. A request that skips reading the prefix cache
+        (``skip_reading_prefix_cache``: it asks for prompt logprobs) gets no hit, and nothing is counted. Mirrors
+        ``KVCacheManager.get_computed_blocks``.
 
         Built from a ``KVCacheConfig``, the coordinator finds the hit (``find_longest_cache_hit``): a list
         for one group (a sliding-window group's begins with null blocks), a ``KVCacheBlocks`` for several.
         """
         if self.coordinator is not None:
             return self._get_computed_blocks_groups(request)
-        if not self.enable_caching:
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return [], 0
         update_block_hashes(request, self.block_size, self.hash_fn)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -608,7 +610,7 @@ class KVCacheManager:
 
     def _get_computed_blocks_groups(self, request: Request) -> tuple[Any, int]:
         assert self.coordinator is not None
-        if not self.enable_caching:
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self._pack(tuple([] for _ in range(self.num_kv_cache_groups))), 0
         update_block_hashes(request, self.block_size, self.hash_fn)
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)

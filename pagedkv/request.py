@@ -110,6 +110,9 @@ class Request:
         # The engine's sampling parameters, carried to the model runner in ``NewRequestData`` (the scheduler
         # never reads them). Mirrors ``Request.sampling_params``.
         self.sampling_params = sampling_params
+        # No prefix-cache hit is looked for (a request that asks for prompt logprobs needs every prompt position
+        # computed). Mirrors ``Request.skip_reading_prefix_cache`` (``vllm/v1/request.py``).
+        self.skip_reading_prefix_cache = bool(getattr(sampling_params, "skip_reading_prefix_cache", False))
         # Hashes of the request's full blocks, extended by the KV cache manager as blocks fill up.
         self.block_hashes: list[BlockHash] = []
         self.block_hasher_key: tuple[object, ...] | None = None  # (block_size, hash_fn) they were made with

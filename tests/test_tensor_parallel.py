@@ -236,13 +236,15 @@ def test_tp2_matches_tp1_and_hf(label):
 @pytest.mark.slow
 def test_tp2_samples_as_tp1_with_penalties_min_tokens_and_logprobs():
     """Each rank's LM head holds half the vocabulary, the gathered logits all of it: the penalties' counts (built
-    as wide as the logits), the min-tokens mask and the logprobs are the one-process engine's. The counts were
-    sized from the rank's own head once: IndexError in every worker."""
+    as wide as the logits), the min-tokens mask and the logprobs, sample and prompt (each rank gathers the prompt
+    rows' logits too), are the one-process engine's. The counts were sized from the rank's own head once:
+    IndexError in every worker."""
     model = tiny_model("llama")
     prompts = make_prompts(n=4, seed=3)
     params = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, repetition_penalty=1.3, min_tokens=3,
                              stop_token_ids=list(range(0, 512, 5))),
-              SamplingParams(max_tokens=6, temperature=0.8, seed=4, logprobs=1, frequency_penalty=0.5, min_p=0.05)] * 2
+              SamplingParams(max_tokens=6, temperature=0.8, seed=4, logprobs=1, frequency_penalty=0.5, min_p=0.05,
+                             prompt_logprobs=3)] * 2
     want = LLM(model, num_gpu_blocks=60, block_size=8).generate(prompts, params, use_tqdm=False)
     with LLM(model, num_gpu_blocks=60, block_size=8, tensor_parallel_size=2) as llm:
         got = llm.generate(prompts, params, use_tqdm=False)
@@ -250,6 +252,9 @@ def test_tp2_samples_as_tp1_with_penalties_min_tokens_and_logprobs():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [list(r) for r in a.outputs[0].logprobs] == [list(r) for r in b.outputs[0].logprobs]
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
+        assert [list(r) if r else r for r in a.prompt_logprobs or []] == [list(r) if r else r
+                                                                         for r in b.prompt_logprobs or []]
+    assert got[1].prompt_logprobs is not None and len(got[1].prompt_logprobs) == len(prompts[1])
 
 
 @pytest.mark.slow

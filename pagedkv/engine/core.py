@@ -68,7 +68,8 @@ class EngineCoreOutput:
     ``"length"``); ``stop_reason`` the stop token that ended it (``None`` for the tokenizer's EOS);
     ``num_cached_tokens`` its prefix-cache hit at first admission; ``new_logprobs``, when the request asks for
     logprobs, the new token's row: the token ids (sampled first, then the batch's top ``k``), their logprobs and
-    the sampled token's rank. Mirrors ``EngineCoreOutput``."""
+    the sampled token's rank; ``new_prompt_logprobs_tensors``, when the request asks for prompt logprobs, its
+    prompt's rows (one a prompt token after the first), with its first token. Mirrors ``EngineCoreOutput``."""
 
     request_id: str
     new_token_ids: list[int]
@@ -77,6 +78,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     new_logprobs: tuple[list[int], list[float], int] | None = None
+    new_prompt_logprobs_tensors: Any = None  # LogprobsLists
 
     @property
     def finished(self) -> bool:
@@ -258,6 +260,7 @@ class EngineCore:
         t0 = time.perf_counter()
         sampled = model_output.as_dict() if hasattr(model_output, "as_dict") else dict(model_output)
         logprobs = getattr(model_output, "logprobs", None)
+        prompt_logprobs = getattr(model_output, "prompt_logprobs_dict", None) or {}
         new_tokens = self.scheduler.update_from_output(scheduler_output, sampled)
         result = EngineCoreOutputs()
         for rid, tokens in new_tokens.items():
@@ -280,6 +283,7 @@ class EngineCore:
                 i = model_output.req_id_to_index[rid]
                 out.new_logprobs = (logprobs.logprob_token_ids[i], logprobs.logprobs[i],
                                     logprobs.sampled_token_ranks[i])
+            out.new_prompt_logprobs_tensors = prompt_logprobs.get(rid)
             if req.is_finished():
                 out.finish_reason = req.get_finished_reason()
                 result.finished_requests.add(rid)

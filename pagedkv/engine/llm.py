@@ -32,7 +32,7 @@ from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
 from pagedkv.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest
 from pagedkv.engine.executor import UniProcExecutor
 from pagedkv.engine.llama import MODEL_IMPLS
-from pagedkv.engine.logprobs import SampleLogprobs
+from pagedkv.engine.logprobs import LogprobsLists, SampleLogprobs, prompt_logprobs_record
 from pagedkv.engine.model_runner import ModelRunner, cudagraph_capture_sizes
 from pagedkv.engine.output_processor import RequestState, decode_output
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
@@ -194,6 +194,8 @@ class _Completion:
     num_preemptions: int = 0
     stop_state: RequestState | None = None  # with stop strings: the text so far, checked after every step
     logprobs: SampleLogprobs | None = None  # with SamplingParams.logprobs: one record a token
+    prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs
+    prompt_rows: Any = None  # the prompt's logprobs rows (LogprobsLists), with the first token
     include_stop_str_in_output: bool = False  # a stop token's text too
     finish_order: int = -1  # when it finished among this call's completions (0 first)
 
@@ -764,7 +766,8 @@ class LLM:
                 rid = base if j == 0 else f"{base}-{j}"
                 child = child.with_max_tokens(max_tokens)
                 requests.append(EngineCoreRequest(rid, list(ids), child, priority=priorities[i]))
-                completions[rid] = _Completion(i, j, include_stop_str_in_output=child.include_stop_str_in_output)
+                completions[rid] = _Completion(i, j, include_stop_str_in_output=child.include_stop_str_in_output,
+                                               prompt_logprobs=child.prompt_logprobs)
                 if child.logprobs is not None:
                     completions[rid].logprobs = SampleLogprobs(child.logprobs, self.tokenizer)
                 if child.stop:  # the API side's stop-string check, as AsyncLLM's (output_processor.RequestState)
@@ -853,6 +856,8 @@ class LLM:
         completion.token_ids.extend(out.new_token_ids)
         if completion.logprobs is not None and out.new_logprobs is not None:
             completion.logprobs.update(*out.new_logprobs)
+        if out.new_prompt_logprobs_tensors is not None:
+            completion.prompt_rows = out.new_prompt_logprobs_tensors
         completion.num_cached_tokens = out.num_cached_tokens
         completion.num_preemptions = out.num_preemptions
         if out.finished:
@@ -887,6 +892,10 @@ class LLM:
                                                 c.num_preemptions, None if lp is None else lp.cumulative_logprob,
                                                 None if lp is None else lp.logprobs))
             out.num_preemptions += c.num_preemptions
+            if c.prompt_logprobs is not None and out.prompt_logprobs is None:  # n > 1: the first completion's
+                rows = c.prompt_rows if c.prompt_rows is not None else LogprobsLists([], [], [])
+                out.prompt_logprobs = prompt_logprobs_record(c.prompt_logprobs, rows, prompt_ids[c.prompt_index],
+                                                             self.tokenizer)
         # vLLM makes an n > 1 request's output when its last child finishes, with that child's num_cached_tokens
         # (`vllm/v1/engine/output_processor.py`: `RequestState.make_request_output`;
         # `vllm/v1/engine/parallel_sampling.py`: `ParentRequest.get_outputs`)

@@ -86,6 +86,46 @@ def compute_topk_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -
     return LogprobsTensors(ids, logprobs, ranks)
 
 
+class PromptLogprobsWorker:
+    """The runner's prompt logprobs: for each prompt position ``p >= 1`` of a request that asks for them, the
+    log-softmax of the logits the model computed at ``p - 1`` (raw, in chunks of :attr:`CHUNK` rows), at prompt
+    token ``p`` and at the request's ``prompt_logprobs`` likeliest tokens, and token ``p``'s rank. A prompt
+    prefilled in several chunks is kept here until its last chunk, then returned whole (``[prompt_len - 1, 1 + k]``),
+    in the step that samples its first token. Mirrors ``PromptLogprobsWorker``
+    (``vllm/v1/worker/gpu/sample/prompt_logprob.py``; ``compute_prompt_logprobs_with_chunking``)."""
+
+    CHUNK = 1024  # rows of logits at a time: a whole prompt's [P, V] logits can be larger than the model
+
+    def __init__(self) -> None:
+        self.in_progress: dict[str, list[LogprobsTensors]] = {}  # req_id -> the chunks so far
+
+    def add_request(self, req_id: str, params: Any) -> None:
+        """Start (or restart, for a request resumed after preemption) a request's record if it asks."""
+        if getattr(params, "prompt_logprobs", None) is not None:
+            self.in_progress[req_id] = []
+
+    def remove_request(self, req_id: str) -> None:
+        self.in_progress.pop(req_id, None)
+
+    def compute(self, req_id: str, logits_fn: Any, hidden: torch.Tensor, target_ids: list[int], num: int,
+                chunked: bool) -> LogprobsTensors | None:
+        """One request's rows of this step: ``hidden [R, H]`` the hidden states of its scheduled prompt positions
+        (the last one left out when it is the prompt's last, whose logits sample the first output token),
+        ``target_ids`` (``R`` ids) the prompt tokens that follow them, ``num`` its ``prompt_logprobs`` (``-1``:
+        all). Returns the whole prompt's record once its last chunk is in (``chunked`` False), else None."""
+        parts = self.in_progress[req_id]
+        targets = torch.tensor(target_ids, dtype=torch.long, device=hidden.device)
+        for a in range(0, hidden.shape[0], self.CHUNK):
+            logits = logits_fn(hidden[a : a + self.CHUNK])  # [r, V]
+            k = logits.shape[-1] if num == -1 else num
+            parts.append(compute_topk_logprobs(logits, targets[a : a + self.CHUNK], k))
+        if chunked or not parts:
+            return None
+        self.in_progress[req_id] = []
+        return LogprobsTensors(torch.cat([x.logprob_token_ids for x in parts]), torch.cat([x.logprobs for x in parts]),
+                               torch.cat([x.selected_token_ranks for x in parts]))
+
+
 def position_logprobs(token_ids: list[int], logprobs: list[float], rank: int, num: int,
                       decoded: Iterable[str | None]) -> dict[int, Logprob]:
     """One position's record: ``token_ids[0]`` (the sampled token) with ``rank``, then the first ``num`` of the
@@ -171,6 +211,25 @@ def decode_logprob_tokens(tokenizer: Any, token_ids: list[int], context: list[in
     texts = convert_ids_list_to_tokens(tokenizer, token_ids)
     return [_correct_decoded_token(tokenizer, t, context) if text.endswith("\ufffd") else text
             for t, text in zip(token_ids, texts, strict=True)]
+
+
+def prompt_logprobs_record(num_logprobs: int, rows: LogprobsLists, prompt_token_ids: list[int],
+                           tokenizer: Any = None) -> list[dict[int, Logprob] | None]:
+    """A request's prompt logprobs as the user gets them: ``None`` for the first prompt token (nothing comes
+    before it), then one ``{token_id: Logprob}`` dict a prompt token (the prompt token first, with its rank, then
+    the ``num_logprobs`` likeliest). Mirrors ``LogprobsProcessor._update_prompt_logprobs`` (the texts decoded
+    alone, and those ending a split UTF-8 character repaired from the prompt tokens before them)."""
+    record: list[dict[int, Logprob] | None] = [None]
+    for pos, (ids, lps, rank) in enumerate(zip(rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks,
+                                               strict=True)):
+        keep = len(ids) if num_logprobs == -1 else 1 + num_logprobs
+        ids, lps = ids[:keep], lps[:keep]
+        # the context: the record's last four entries' tokens, the first entry (None) left out
+        context = prompt_token_ids[max(1, pos - 3) : pos + 1]
+        decoded: Iterable[str | None] = (itertools.repeat(None) if tokenizer is None
+                                         else decode_logprob_tokens(tokenizer, ids, context))
+        record.append(position_logprobs(ids, lps, rank, num_logprobs, decoded))
+    return record
 
 
 class SampleLogprobs:

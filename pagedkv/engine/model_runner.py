@@ -46,6 +46,8 @@ lab (``pagedkv/engine/``)     vLLM 0.26 (``vllm/v1/worker/gpu/``)
 ``make_decoder``              ``ModelConfig.model_impl`` (``vllm/config/model.py``): vLLM's model or Transformers'
 ``compute_logits``            ``model_runner.py``: logits for every request (``total_num_logits = num_reqs``)
 ``Sampler``                   ``sample/sampler.py``: ``Sampler`` (Gumbel noise from a seed and position)
+``PromptLogprobsWorker``      ``sample/prompt_logprob.py``: ``PromptLogprobsWorker`` (a step with prompt rows
+                              runs without a CUDA graph)
 ``AsyncModelRunnerOutput``    ``async_utils.py``: ``AsyncOutput``
 ``CUDAGraphRunner``           ``cudagraph_utils.py``: ``CudaGraphManager`` (captured after the KV cache)
 ============================  =========================================================================
@@ -58,6 +60,7 @@ the seed and the position, so it needs no state); swaps and copy-on-write moves 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 import weakref
@@ -78,7 +81,13 @@ from pagedkv.engine.attention import (
     paged_attention_forward,
 )
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
-from pagedkv.engine.logprobs import LogprobsLists, LogprobsTensors, compute_topk_logprobs, num_logprobs
+from pagedkv.engine.logprobs import (
+    LogprobsLists,
+    LogprobsTensors,
+    PromptLogprobsWorker,
+    compute_topk_logprobs,
+    num_logprobs,
+)
 from pagedkv.engine.penalties import PenaltiesState
 from pagedkv.engine.sampler import apply_logit_bias, uses_logit_bias
 from pagedkv.kv_cache_interface import KVCacheConfig, SlidingWindowSpec
@@ -508,6 +517,8 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int] = field(default_factory=dict)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: LogprobsLists | None = None  # row i: request req_ids[i]; None when no request asked for logprobs
+    #: a request's whole prompt logprobs, in the step that computed its prompt's last chunk
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, int]:
         """``{req_id: token}``: what :meth:`pagedkv.scheduler.Scheduler.update_from_output` takes."""
@@ -521,18 +532,21 @@ class AsyncModelRunnerOutput:
     ``AsyncOutput`` (``vllm/v1/worker/gpu/async_utils.py``)."""
 
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, event: Any = None,
-                 logprobs: LogprobsTensors | None = None) -> None:
+                 logprobs: LogprobsTensors | None = None,
+                 prompt_logprobs: dict[str, LogprobsTensors] | None = None) -> None:
         self.req_ids = req_ids
         self._sampled = sampled  # [S] int64 (host memory; pinned on a GPU machine)
         self._event = event
         self._logprobs = logprobs  # host memory too
+        self._prompt_logprobs = prompt_logprobs or {}
 
     def get_output(self) -> ModelRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
         tokens = self._sampled.tolist()
         return ModelRunnerOutput(list(self.req_ids), {r: i for i, r in enumerate(self.req_ids)},
-                                 [[t] for t in tokens], None if self._logprobs is None else self._logprobs.tolists())
+                                 [[t] for t in tokens], None if self._logprobs is None else self._logprobs.tolists(),
+                                 {r: t.tolists() for r, t in self._prompt_logprobs.items()})
 
 
 @dataclass
@@ -650,6 +664,7 @@ class ModelRunner:
         self.sampling_params: dict[str, Any] = {}
         self.prompt_lens: dict[str, int] = {}
         self.penalties = PenaltiesState(self.device)
+        self.prompt_logprobs = PromptLogprobsWorker()
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
         if use_cuda_graph and len(self.group_windows) > 1:
@@ -687,6 +702,7 @@ class ModelRunner:
         if state is not None:
             self._free_slots.append(state.req_index)
         self.penalties.remove_request(req_id)
+        self.prompt_logprobs.remove_request(req_id)
 
     def _add_request(self, req_id: str, token_ids: list[int], block_ids: Sequence[int], params: Any) -> None:
         self._remove_request(req_id)
@@ -697,6 +713,7 @@ class ModelRunner:
         self.sampling_params[req_id] = params
         self.block_tables.append_block_ids(index, block_ids, overwrite=True)
         self.penalties.add_request(req_id, token_ids, self.prompt_lens.get(req_id, len(token_ids)), params)
+        self.prompt_logprobs.add_request(req_id, params)
         seed = getattr(params, "seed", None)
         if seed is not None and req_id not in self.generators:
             from pagedkv.engine.sampler import make_generator
@@ -893,10 +910,11 @@ class ModelRunner:
         per_group = [self.build_metadata(inputs, g, scheduler_output) for g in range(len(self.group_windows))]
         return {layer: per_group[g] for layer, g in enumerate(self.layer_groups)}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, reuse_buffer: bool = True) -> torch.Tensor:
         """The LM head on the sampled positions, ``hidden [S, H]`` -> ``[S, V]``, written into one buffer kept
         across steps (a fresh ``[S, V]`` tensor every step costs a CPU thousands of page faults). The result is
-        valid until the next step: copy it to keep it.
+        valid until the next step: copy it to keep it. ``reuse_buffer=False``: a fresh tensor (the prompt
+        logprobs' rows, which must not overwrite the step's sampled logits).
 
         The lab applies the head to the sampled rows only: a partial prefill's row would be sampled and thrown
         away. vLLM 0.26 computes logits for every scheduled request, partial prefills included (Model Runner V2:
@@ -907,9 +925,12 @@ class ModelRunner:
         Mirrors ``LlamaForCausalLM.compute_logits`` (``vllm/model_executor/models/llama.py``)."""
         head = self.model.get_output_embeddings()
         s, v = hidden.shape[0], head.weight.shape[0]
-        if self._logits is None or self._logits.shape[0] < s:
-            self._logits = torch.empty(max(s, 64), v, dtype=head.weight.dtype, device=hidden.device)
-        out = torch.mm(hidden, head.weight.t(), out=self._logits[:s])  # [S, V]
+        if not reuse_buffer:
+            out = torch.mm(hidden, head.weight.t())  # [S, V]
+        else:
+            if self._logits is None or self._logits.shape[0] < s:
+                self._logits = torch.empty(max(s, 64), v, dtype=head.weight.dtype, device=hidden.device)
+            out = torch.mm(hidden, head.weight.t(), out=self._logits[:s])  # [S, V]
         if getattr(head, "bias", None) is not None:
             out += head.bias
         cap = getattr(self.model.config, "final_logit_softcapping", None)
@@ -943,10 +964,36 @@ class ModelRunner:
         self.penalties.update(rids, sampled)
         return sampled, None if raw is None else compute_topk_logprobs(raw, sampled, max(wanted))
 
+    def _prompt_logprob_rows(self, batch: InputBatch, so: SchedulerOutput) -> list[tuple[str, int, int, list[int],
+                                                                                         bool, int]]:
+        """The requests whose prompt logprobs this step computes: ``(req_id, first row, end row, the prompt tokens
+        those rows predict, whether the prompt goes on in a later chunk, its prompt_logprobs)``. A prompt's last
+        position is left out (its logits sample the first output token, with nothing of the prompt to predict), and
+        a request resumed after its prompt was done is skipped (its prompt logprobs went out with its first
+        token). Mirrors ``PromptLogprobsWorker.compute_prompt_logprobs``'s selection."""
+        if not self.prompt_logprobs.in_progress:  # the usual case: no request asks
+            return []
+        rows = []
+        qsl = batch.query_start_loc_host
+        for i, rid in enumerate(batch.req_ids):
+            if rid not in self.prompt_logprobs.in_progress:
+                continue
+            state = self.requests[rid]
+            prompt_len = self.prompt_lens.get(rid, len(state.prefill_token_ids))
+            start, n = so.num_computed_tokens[rid], so.num_scheduled_tokens[rid]
+            if start >= prompt_len or prompt_len < len(state.prefill_token_ids):
+                continue
+            chunked = start + n < prompt_len
+            r0, r1 = qsl[i], qsl[i + 1] - (0 if chunked else 1)
+            targets = state.prefill_token_ids[start + 1 : start + 1 + r1 - r0]
+            rows.append((rid, r0, r1, targets, chunked, state.sampling_params.prompt_logprobs))
+        return rows
+
     @torch.no_grad()
     def execute_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Run one step and sample: update the request states and device block tables, move blocks, prepare the
-        inputs, one forward over every scheduled token, the LM head on the sampled rows, the sampler. The samples
+        inputs, one forward over every scheduled token, the LM head on the sampled rows, the sampler (then, for a
+        request that asks, the prompt logprobs of its scheduled prompt rows: :class:`PromptLogprobsWorker`). The samples
         are written to ``last_sampled_tokens`` (the next step's decode inputs, on the device) and copied to the
         host without waiting: :meth:`AsyncModelRunnerOutput.get_output` waits. Mirrors
         ``GPUModelRunner.execute_model`` and ``sample_tokens`` (vLLM splits the step in two calls, so that
@@ -965,7 +1012,9 @@ class ModelRunner:
         self.last_inputs = batch
         t1 = time.perf_counter()
         timings: dict[str, float] = {}
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+        prompt_rows = self._prompt_logprob_rows(batch, so)
+        hidden = None
+        if not prompt_rows and self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.run(batch)
         else:
             meta = self.build_layer_metadata(batch, so)
@@ -981,6 +1030,13 @@ class ModelRunner:
         self.last_logits = logits  # valid until the next step (compute_logits' buffer)
         t2 = time.perf_counter()
         sampled, logprobs = self._sample(batch, logits)  # [S] on the device
+        prompt_logprobs = {}
+        for rid, r0, r1, targets, chunked, num in prompt_rows:
+            assert hidden is not None  # a step with prompt rows runs no graph
+            done = self.prompt_logprobs.compute(rid, functools.partial(self.compute_logits, reuse_buffer=False),
+                                                hidden[r0:r1], targets, num, chunked)
+            if done is not None:
+                prompt_logprobs[rid] = done
         sample_s = time.perf_counter() - t2
         if batch.sample_req_ids:
             slots = torch.tensor([self.requests[r].req_index for r in batch.sample_req_ids], dtype=torch.long)
@@ -991,10 +1047,11 @@ class ModelRunner:
             host = torch.empty(sampled.shape[0], dtype=torch.long, pin_memory=True)
             host.copy_(sampled, non_blocking=True)
             logprobs = None if logprobs is None else logprobs.pinned_copy()
+            prompt_logprobs = {r: t.pinned_copy() for r, t in prompt_logprobs.items()}
             event = torch.cuda.Event()
             event.record()
         self.last_step_times = StepTimes(t1 - t0, time.perf_counter() - t1, timings.get("attention_s", 0.0), sample_s)
-        return AsyncModelRunnerOutput(list(batch.sample_req_ids), host, event, logprobs)
+        return AsyncModelRunnerOutput(list(batch.sample_req_ids), host, event, logprobs, prompt_logprobs)
 
 
 INPUT_PREPS = ("device", "python")

@@ -34,8 +34,9 @@ class RequestOutput:
     """One prompt's result, in vLLM's shape. ``num_cached_tokens`` is the prompt tokens served from the
     prefix cache when the request was first admitted (vLLM's field of that name; with ``n > 1``, as in vLLM, the
     count of the completion that finished last); ``num_preemptions`` the
-    preemptions of all its sequences together (lab addition). ``prompt_logprobs`` is vLLM's field, always
-    ``None`` here."""
+    preemptions of all its sequences together (lab addition). ``prompt_logprobs``, with
+    ``SamplingParams.prompt_logprobs``: ``None`` for the first prompt token, then one ``{token_id: Logprob}`` dict a
+    prompt token (that token first, then the likeliest ones at its position); ``None`` otherwise."""
 
     request_id: str
     prompt: str | None
@@ -44,4 +45,4 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

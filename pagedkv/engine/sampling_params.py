@@ -41,6 +41,10 @@ class SamplingParams:
     ``logprobs_mode``: before penalties, temperature and cuts); at most the engine's ``max_logprobs``.
     ``logit_bias`` (``{token_id: bias}``) adds to those tokens' logits; ``allowed_token_ids`` leaves only those
     tokens possible. Both come first, before the penalties (vLLM's ``_bias_kernel`` order).
+    ``prompt_logprobs``: for each prompt token after the first, its log-probability given the tokens before it,
+    its rank, and the ``prompt_logprobs`` likeliest tokens at that position (``-1``: all; ``True`` is 1; at most
+    ``max_logprobs``); such a request reads nothing from the prefix cache (``skip_reading_prefix_cache``), so that
+    every prompt position is computed.
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
@@ -62,6 +66,10 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    #: the KV cache manager finds no prefix-cache hit for the request (``None``: whether ``prompt_logprobs`` is
+    #: set: a cached position would have no logits)
+    skip_reading_prefix_cache: bool | None = None
     #: every token ``min_tokens`` keeps from being sampled: ``stop_token_ids`` and the model's EOS ids, which the
     #: engine adds when it takes the request (vLLM's ``_all_stop_token_ids``, set by
     #: ``update_from_generation_config``), whether or not ``ignore_eos``
@@ -86,7 +94,11 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}") from None
         if isinstance(self.logprobs, bool):  # vLLM: True is 1 (and False, as an int, 0)
             self.logprobs = int(self.logprobs)
+        if isinstance(self.prompt_logprobs, bool):
+            self.prompt_logprobs = int(self.prompt_logprobs)
         self._verify_args()
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if self.stop_token_ids is not None:
@@ -156,6 +168,11 @@ class SamplingParams:
             check_int(self.logprobs, "logprobs", None)
             if self.logprobs < -1:
                 raise InvalidRequestError(f"logprobs must be non-negative or -1, got {self.logprobs}.", "logprobs")
+        if self.prompt_logprobs is not None:
+            check_int(self.prompt_logprobs, "prompt_logprobs", None)
+            if self.prompt_logprobs < -1:
+                raise InvalidRequestError(f"prompt_logprobs must be non-negative or -1, got "
+                                          f"{self.prompt_logprobs}.", "prompt_logprobs")
         if self.logit_bias is not None:  # the lab's type checks (vLLM's server converts the keys: from_optional)
             if not isinstance(self.logit_bias, dict) or not all(
                     is_int(k) and is_real(v) and math.isfinite(v) for k, v in self.logit_bias.items()):
@@ -214,22 +231,26 @@ class SamplingParams:
 
     def verify(self, vocab_size: int, max_logprobs: int) -> None:
         """The checks that need the model: ``InvalidRequestError`` naming the field, in vLLM's words, when
-        ``logprobs`` is more than ``max_logprobs`` (``-1``: the vocabulary), when a ``logit_bias`` or
-        ``allowed_token_ids`` id is outside the vocabulary, or ``allowed_token_ids`` is empty. Changes nothing.
+        ``logprobs`` or ``prompt_logprobs`` is more than ``max_logprobs`` (``-1``: the vocabulary), when a
+        ``logit_bias`` or ``allowed_token_ids`` id is outside the vocabulary, or ``allowed_token_ids`` is empty.
+        Changes nothing.
         Mirrors ``SamplingParams.verify`` (``_validate_logprobs``, ``_validate_logit_bias``,
         ``_validate_allowed_token_ids``; vLLM checks ``allowed_token_ids`` against the tokenizer's length, the lab
-        against the model's vocabulary). Lab additions, where vLLM's worker would fail instead: ``logprobs`` beyond
-        the vocabulary, and more than 1024 ``allowed_token_ids`` or ``logit_bias`` entries (V2's buffers, whose
-        words these are)."""
+        against the model's vocabulary). Lab additions, where vLLM's worker would fail instead: sample or prompt
+        logprobs beyond the vocabulary, and more than 1024 ``allowed_token_ids`` or ``logit_bias`` entries (V2's
+        buffers, whose words these are)."""
         limit = vocab_size if max_logprobs == -1 else max_logprobs
-        if self.logprobs:
-            requested = vocab_size if self.logprobs == -1 else self.logprobs
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(self, name)
+            if not asked:
+                continue
+            requested = vocab_size if asked == -1 else asked
             if requested > limit:
-                raise InvalidRequestError(f"Requested sample logprobs of {requested}, which is greater than max "
-                                          f"allowed: {limit}", "logprobs")
+                raise InvalidRequestError(f"Requested {kind} logprobs of {requested}, which is greater than max "
+                                          f"allowed: {limit}", name)
             if requested > vocab_size:
-                raise InvalidRequestError(f"Requested sample logprobs of {requested}, which is more than the "
-                                          f"vocabulary ({vocab_size} tokens); -1 asks for all of them", "logprobs")
+                raise InvalidRequestError(f"Requested {kind} logprobs of {requested}, which is more than the "
+                                          f"vocabulary ({vocab_size} tokens); -1 asks for all of them", name)
         if self.logit_bias:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:

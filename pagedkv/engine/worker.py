@@ -32,11 +32,11 @@ class TPModelRunner(ModelRunner):
     """The model runner of one rank: the same runner over the shard, whose LM head all-gathers the logits of the
     sampled rows across the ranks (``LogitsProcessor._gather_logits``), so every rank ends with ``[S, V]``."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, reuse_buffer: bool = True) -> torch.Tensor:
         head = self.model.get_output_embeddings()
         if isinstance(head, ParallelLMHead):
-            return head.compute_logits(hidden)  # [S, V], all-gathered
-        return super().compute_logits(hidden)
+            return head.compute_logits(hidden)  # [S, V], all-gathered (a fresh tensor)
+        return super().compute_logits(hidden, reuse_buffer)
 
 
 def serialize_model(model: torch.nn.Module) -> bytes:
