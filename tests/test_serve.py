@@ -171,7 +171,6 @@ BAD = [
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
     (b'{"prompt": "hi", "logprobs": -1}', 400, "logprobs"),  # vLLM: "`logprobs` must be a positive value."
     (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),  # more than max_logprobs (20)
-    (b'{"prompt": "hi", "logprobs": 2, "echo": true}', 400, "echo"),  # needs the prompt's logprobs
     (b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
     (b'[1, 2]', 400, None),
     (b'{"prompt": "hi", "cache_salt": ""}', 400, "cache_salt"),
@@ -190,7 +189,9 @@ BAD = [
     (b'{"prompt": "hi", "logit_bias": {"x": 10}}', 400, "logit_bias"),  # vLLM: keys that are not token ids
     (b'{"prompt": "hi", "logit_bias": {"600": 10}}', 400, "logit_bias"),  # outside the vocabulary
     (b'{"prompt": "hi", "allowed_token_ids": []}', 400, "allowed_token_ids"),
-    (b'{"prompt": "hi", "prompt_logprobs": 1}', 400, "prompt_logprobs"),
+    (b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}', 400, "prompt_logprobs"),  # vLLM's words too
+    (b'{"prompt": "hi", "prompt_logprobs": -2}', 400, "prompt_logprobs"),
+    (b'{"prompt": "hi", "prompt_logprobs": 21}', 400, "prompt_logprobs"),  # more than max_logprobs (20)
     (b'{"prompt": "hi", "logprobs": 1, "logprob_token_ids": [5]}', 400, "logprob_token_ids"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', 400, "skip_special_tokens"),
     (b'{"prompt": "hi", "suffix": ""}', 400, "suffix"),  # vLLM: "suffix is not currently supported"
@@ -233,6 +234,7 @@ def test_bad_chat_requests(srv):
             ({"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 400, None),
             ({"messages": hi, "continue_final_message": True}, 400, None),  # the template refuses the pair
             ({"messages": hi, "top_logprobs": 2}, 400, "top_logprobs"),  # vLLM: needs logprobs: true
+            ({"messages": hi, "prompt_logprobs": 1}, 400, "prompt_logprobs"),  # the lab's chat returns none
             ({"messages": hi, "logprobs": True, "top_logprobs": -2}, 400, "top_logprobs"),
             ({"messages": hi, "logprobs": True, "top_logprobs": -1}, 400, "logprobs"),  # the vocabulary > 20
             ({"messages": hi, "chat_template": "{{ 'x' }}"}, 400, None),  # vLLM: untrusted without a flag
@@ -582,6 +584,44 @@ def test_logprobs_over_http_are_generates_in_openais_shapes(srv):
             assert r.status_code == 200, r.text
             choices = [c for e in sse(r.text) for c in e["choices"]] if stream else r.json()["choices"]
             assert all(c["logprobs"] is None for c in choices) and "error" not in r.text, (extra, r.text)
+    idle(srv)
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_first(srv):
+    """``echo`` with ``logprobs`` asks the engine for the prompt's logprobs too (vLLM's ``to_sampling_params``:
+    ``prompt_logprobs = logprobs``): the choice's logprobs cover the prompt, its first token ``null`` (nothing comes
+    before it), then the output; the numbers are offline ``generate``'s ``prompt_logprobs``; ``max_tokens`` 0 gives
+    the prompt's alone; a stream's first chunk carries them; the choice's ``prompt_logprobs`` holds the records."""
+    prompt = [9, 8, 7, 30, 31]
+    llm = LLM(tiny_model(0), tokenizer=tiny_tokenizer(), num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE,
+              max_model_len=MAX_MODEL_LEN)
+    want = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=1),
+                        use_tqdm=False)[0]
+    ids = prompt + want.outputs[0].token_ids
+    records = want.prompt_logprobs + want.outputs[0].logprobs
+    body = completion(srv, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([r[t].logprob for t, r in zip(ids[1:], records[1:],
+                                                                                      strict=True)])
+    assert lp["tokens"] == [tiny_tokenizer().decode([t]) for t in ids[:1]] + [r[t].decoded_token for t, r in
+                                                                               zip(ids[1:], records[1:], strict=True)]
+    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert [list(map(int, r)) if r else r for r in choice["prompt_logprobs"]] == \
+        [list(r) if r else r for r in want.prompt_logprobs]
+    field = completion(srv, prompt=prompt, max_tokens=3, temperature=0, prompt_logprobs=1)["choices"][0]
+    assert field["logprobs"] is None and field["prompt_logprobs"] == choice["prompt_logprobs"]
+    only = completion(srv, prompt=prompt, max_tokens=0, logprobs=0, echo=True)["choices"][0]["logprobs"]
+    assert only["token_logprobs"][0] is None and len(only["tokens"]) == len(prompt)
+    assert only["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:len(prompt)])
+    r = srv.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 1,
+                                                 "echo": True, "stream": True})
+    chunks = [c["logprobs"] for e in sse(r.text) for c in e["choices"]]
+    streamed = [t for c in chunks for t in c["token_logprobs"]]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp["token_logprobs"][1:])
+    assert len(chunks[0]["tokens"]) >= len(prompt)  # the prompt's ride on the first chunk
+    assert [t for c in chunks for t in c["tokens"]] == lp["tokens"]
     idle(srv)
 
 

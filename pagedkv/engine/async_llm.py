@@ -370,7 +370,8 @@ class AsyncLLM:
                 continue  # aborted while the step ran
             state.num_cached_tokens = out.num_cached_tokens
             state.num_preemptions = out.num_preemptions
-            delta = state.add_tokens(out.new_token_ids, out.finish_reason, out.stop_reason, now, out.new_logprobs)
+            delta = state.add_tokens(out.new_token_ids, out.finish_reason, out.stop_reason, now, out.new_logprobs,
+                                     out.new_prompt_logprobs_tensors)
             if delta is not None:
                 self._queues[out.request_id].put_nowait(delta)
             if state.finished:

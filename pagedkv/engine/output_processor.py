@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.engine.logprobs import Logprob, SampleLogprobs
+from pagedkv.engine.logprobs import Logprob, LogprobsLists, SampleLogprobs, prompt_logprobs_record
 from pagedkv.engine.sampling_params import SamplingParams
 
 
@@ -126,6 +126,9 @@ class CompletionDelta:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
     logprobs: list[dict[int, Logprob]] | None = None  # with SamplingParams.logprobs: one record a new token
+    #: with SamplingParams.prompt_logprobs, in the completion's first delta only: None for the first prompt token,
+    #: then one record a prompt token (vLLM's DELTA outputs: ``pop_prompt_logprobs``)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -152,6 +155,7 @@ class RequestState:
     stop_reason: int | str | None = None
     _detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     _logprobs: SampleLogprobs | None = field(default=None, repr=False)
+    _prompt_logprobs_sent: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -181,10 +185,11 @@ class RequestState:
         return True
 
     def add_tokens(self, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None,
-                   now: float, new_logprobs: tuple[list[int], list[float], int] | None = None
-                   ) -> CompletionDelta | None:
+                   now: float, new_logprobs: tuple[list[int], list[float], int] | None = None,
+                   new_prompt_logprobs: LogprobsLists | None = None) -> CompletionDelta | None:
         """Take one step's new tokens (and the engine's finish reason, if it finished; ``new_logprobs``, the
-        engine's row for the new token when logprobs were asked for); return what the client may see now, or None
+        engine's row for the new token when logprobs were asked for; ``new_prompt_logprobs``, the prompt's rows,
+        with the first token, when prompt logprobs were); return what the client may see now, or None
         when nothing new can be shown yet. A stop string found here finishes the request (the caller then aborts
         it in the engine); tokens after it are dropped."""
         if self.finished:
@@ -192,6 +197,12 @@ class RequestState:
         new_entries = None
         if self._logprobs is not None and new_logprobs is not None:
             new_entries = [self._logprobs.update(*new_logprobs)]
+        prompt_entries = None
+        if self.params.prompt_logprobs is not None and token_ids and not self._prompt_logprobs_sent:
+            rows = new_prompt_logprobs if new_prompt_logprobs is not None else LogprobsLists([], [], [])
+            prompt_entries = prompt_logprobs_record(self.params.prompt_logprobs, rows, self.prompt_token_ids,
+                                                    self.tokenizer)
+            self._prompt_logprobs_sent = True
         if token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -236,4 +247,4 @@ class RequestState:
         if not delta_text and not token_ids and not self.finished:
             return None
         return CompletionDelta(self.index, delta_text, list(token_ids), self.finish_reason, self.stop_reason,
-                               self.num_cached_tokens, new_entries)
+                               self.num_cached_tokens, new_entries, prompt_entries)

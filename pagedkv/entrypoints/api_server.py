@@ -273,6 +273,7 @@ class OpenAIServing:
                                     else request.repetition_penalty),
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
                 ignore_eos=request.ignore_eos, logprobs=request.sample_logprobs(),
+                prompt_logprobs=request.requested_prompt_logprobs(),
                 logit_bias=request.token_logit_bias(), allowed_token_ids=request.allowed_token_ids,
             )
         except ValueError as exc:  # the field where vLLM names it (its VLLMValidationError), else param null
@@ -338,11 +339,12 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
     def completion_logprobs(self, request: P.CompletionRequest, token_ids: Sequence[int],
-                            entries: Sequence[dict[int, Logprob]], initial_text_offset: int = 0
+                            entries: Sequence[dict[int, Logprob] | None], initial_text_offset: int = 0
                             ) -> P.CompletionLogProbs:
         """The legacy completions shape of ``entries`` (one record a token of ``token_ids``): each token's text and
         logprob (at least -9999, OpenAI's stand-in for -inf), its text's offset, and the first ``logprobs + 1``
-        entries of its record (the sampled token, then the likeliest). Mirrors
+        entries of its record (the sampled token, then the likeliest). A token without a record (an echoed
+        prompt's first) has its text and ``null`` logprobs. Mirrors
         ``OpenAIServingCompletion._create_completion_logprobs``."""
         as_ids, num = bool(request.return_tokens_as_token_ids), request.logprobs or 0
         offsets: list[int] = []
@@ -351,11 +353,16 @@ class OpenAIServing:
         tops: list[dict[str, float] | None] = []
         last_len = 0
         for token_id, step in zip(token_ids, entries, strict=True):
-            token = self._token_text(step[token_id], token_id, as_ids)
+            if step is None:
+                token = self._token_text(Logprob(0.0), token_id, as_ids)
+                logprobs.append(None)
+                tops.append(None)
+            else:
+                token = self._token_text(step[token_id], token_id, as_ids)
+                logprobs.append(max(step[token_id].logprob, -9999.0))
+                tops.append({self._token_text(lp, t, as_ids): max(lp.logprob, -9999.0)
+                             for i, (t, lp) in enumerate(step.items()) if num >= i})
             tokens.append(token)
-            logprobs.append(max(step[token_id].logprob, -9999.0))
-            tops.append({self._token_text(lp, t, as_ids): max(lp.logprob, -9999.0)
-                         for i, (t, lp) in enumerate(step.items()) if num >= i})
             offsets.append(offsets[-1] + last_len if offsets else initial_text_offset)
             last_len = len(token)
         return P.CompletionLogProbs(text_offset=offsets, token_logprobs=logprobs, tokens=tokens, top_logprobs=tops)
@@ -441,6 +448,7 @@ class CompletionRun:
         self.finish: list[str | None] = [None] * num_choices
         self.stop_reason: list[int | str | None] = [None] * num_choices
         self.logprobs: list[list[dict[int, Logprob]]] = [[] for _ in range(num_choices)]
+        self.prompt_logprobs: list[list[dict[int, Logprob] | None]] = [[] for _ in range(num_choices)]
         self.cached: int | None = None  # the first delta's (a stream's usage)
         self._finished_cached: dict[int, int] = {}  # prompt -> the cached tokens of its choice that finished last
 
@@ -450,6 +458,7 @@ class CompletionRun:
         self.text[i] += d.text
         self.token_ids[i].extend(d.token_ids)
         self.logprobs[i].extend(d.logprobs or ())
+        self.prompt_logprobs[i].extend(d.prompt_logprobs or ())
         if d.finish_reason is not None:
             self.finish[i], self.stop_reason[i] = d.finish_reason, d.stop_reason
             self._finished_cached[prompt] = d.num_cached_tokens
@@ -577,9 +586,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
         # prompt alone (vLLM's echo_without_generation, whose usage still counts that token)
         echo = bool(request.echo)
         echo_only = echo and request.max_tokens == 0
-        if echo and request.logprobs is not None:  # vLLM asks for the prompt's logprobs then
-            raise ServingError("echo with logprobs needs the prompt's logprobs (prompt_logprobs), which the lab's "
-                               "engine does not compute", HTTPStatus.BAD_REQUEST, "echo")
+        # echo with logprobs: the prompt's logprobs come first (SamplingParams.prompt_logprobs; its first token's
+        # are null: nothing comes before it)
         want_logprobs = request.logprobs is not None
         params = serving.prepare(request, prompts, 1 if echo_only else request.max_tokens)
         request_id = f"cmpl-{request.request_id}"
@@ -599,8 +607,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                     first = not run.token_ids[i] and run.finish[i] is None  # the prompt's ids ride on it
                     offset = len(run.text[i])  # the text sent before this chunk
                     run.add(i, d)
-                    logprobs = (serving.completion_logprobs(request, d.token_ids, d.logprobs or [], offset)
-                                if want_logprobs else None)
+                    ids, entries = ([], []) if echo_only else (d.token_ids, d.logprobs or [])
+                    if echo and first:
+                        ids, entries = prompts[p] + ids, (d.prompt_logprobs or []) + entries
+                    logprobs = serving.completion_logprobs(request, ids, entries, offset) if want_logprobs else None
                     text = "" if echo_only else d.text
                     usage = {"usage": serving.usage([prompts[p]], len(run.token_ids[i]), None)} if continuous else {}
                     yield _sse(P.CompletionStreamResponse(
@@ -628,10 +638,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
             text, ids = ("", []) if echo_only else (run.text[i], run.token_ids[i])
             if echo:
                 text, ids = prompt_texts[p] + text, prompts[p] + ids
-            logprobs = (serving.completion_logprobs(request, run.token_ids[i], run.logprobs[i])
-                        if want_logprobs else None)
+            entries = [] if echo_only else run.logprobs[i]
+            if echo:
+                entries = run.prompt_logprobs[i] + entries
+            logprobs = serving.completion_logprobs(request, ids, entries) if want_logprobs else None
             choices.append(P.CompletionResponseChoice(index=i, text=text, logprobs=logprobs,
                                                       finish_reason=run.finish[i], stop_reason=run.stop_reason[i],
+                                                      prompt_logprobs=run.prompt_logprobs[i] or None,
                                                       prompt_token_ids=prompts[p] if with_ids else None,
                                                       token_ids=ids if with_ids else None))
         body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedkv.engine.exceptions import InvalidRequestError
+from pagedkv.engine.logprobs import Logprob
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 #: The most prompts one ``/v1/completions`` request may list: vLLM 0.26's ``VLLM_MAX_COMPLETION_PROMPTS`` default.
@@ -32,7 +33,7 @@ MAX_COMPLETION_PROMPTS = 1024
 #: vLLM's request fields the lab's engine cannot serve, and the values that ask for nothing (vLLM's defaults, and
 #: what a client sends to mean "off"); any other value is refused with a 400 naming the field.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "bad_words": (None, []), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "bad_words": (None, []), "truncate_prompt_tokens": (None,),
     "suffix": (None,), "use_beam_search": (False,), "logprob_token_ids": (None, []),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "tools": (None, []),
@@ -163,6 +164,10 @@ class _SamplingFields(OpenAIBaseModel):
         """``SamplingParams.logprobs`` for this request (``None``: no logprobs)."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """``SamplingParams.prompt_logprobs`` for this request (``None``: none)."""
+        return None
+
     def token_logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer keys and each bias clamped to [-100, 100]; ``InvalidRequestError`` naming
         the keys that are not integers. Mirrors ``SamplingParams.from_optional`` (``vllm/sampling_params.py``)."""
@@ -196,15 +201,32 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     add_special_tokens: bool = True  # the tokenizer's BOS and the like on a text prompt
     logprobs: int | None = None  # each token's logprob and those of this many likeliest
+    #: vLLM's extension: each prompt token's logprob and those of this many likeliest, in the choice's
+    #: ``prompt_logprobs`` (``-1``: the vocabulary; not with ``stream``)
+    prompt_logprobs: int | None = None
 
     def sample_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` the ``logprobs`` (the echoed prompt's, as many top tokens as the
+        output's). Mirrors ``CompletionRequest.to_sampling_params``."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @model_validator(mode="before")
     @classmethod
     def check_logprobs(cls, data: Any) -> Any:
         """vLLM's ``check_logprobs`` (its message and param) for the fields the lab serves."""
         logprobs = data.get("logprobs") if isinstance(data, dict) else None
+        prompt = data.get("prompt_logprobs") if isinstance(data, dict) else None
+        if isinstance(prompt, (int, float)) and not isinstance(prompt, bool):
+            if data.get("stream") and (prompt > 0 or prompt == -1):
+                raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`.",
+                                          "prompt_logprobs")
+            if prompt < 0 and prompt != -1:
+                raise InvalidRequestError("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
         if isinstance(logprobs, (int, float)) and logprobs < 0:
             raise InvalidRequestError("`logprobs` must be a positive value.", "logprobs")
         return data
@@ -266,8 +288,12 @@ class ChatCompletionRequest(_SamplingFields):
         return data
 
     def unserved(self) -> str | None:
-        """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not)."""
-        return super().unserved() or ("echo" if (self.model_extra or {}).get("echo") else None)
+        """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not) and
+        ``prompt_logprobs`` (the lab's chat does not return them)."""
+        extra = self.model_extra or {}
+        if extra.get("prompt_logprobs") is not None:
+            return "prompt_logprobs"
+        return super().unserved() or ("echo" if extra.get("echo") else None)
 
     def untrusted_chat_template(self) -> bool:
         """A chat template sent with the request, which vLLM refuses unless ``--trust-request-chat-template``
@@ -318,7 +344,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
-    prompt_logprobs: None = None  # vLLM's key; the lab computes no prompt logprobs
+    #: with echo and logprobs: None, then each prompt token's ``{token_id: {logprob, rank, decoded_token}}``
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
