@@ -234,7 +234,7 @@ def test_bad_chat_requests(srv):
             ({"messages": hi, "continue_final_message": True, "add_generation_prompt": True}, 400, None),
             ({"messages": hi, "continue_final_message": True}, 400, None),  # the template refuses the pair
             ({"messages": hi, "top_logprobs": 2}, 400, "top_logprobs"),  # vLLM: needs logprobs: true
-            ({"messages": hi, "prompt_logprobs": 1}, 400, "prompt_logprobs"),  # the lab's chat returns none
+            ({"messages": hi, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
             ({"messages": hi, "logprobs": True, "top_logprobs": -2}, 400, "top_logprobs"),
             ({"messages": hi, "logprobs": True, "top_logprobs": -1}, 400, "logprobs"),  # the vocabulary > 20
             ({"messages": hi, "chat_template": "{{ 'x' }}"}, 400, None),  # vLLM: untrusted without a flag
@@ -591,7 +591,8 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_first(srv):
     """``echo`` with ``logprobs`` asks the engine for the prompt's logprobs too (vLLM's ``to_sampling_params``:
     ``prompt_logprobs = logprobs``): the choice's logprobs cover the prompt, its first token ``null`` (nothing comes
     before it), then the output; the numbers are offline ``generate``'s ``prompt_logprobs``; ``max_tokens`` 0 gives
-    the prompt's alone; a stream's first chunk carries them; the choice's ``prompt_logprobs`` holds the records."""
+    the prompt's alone; a stream's first chunk carries them; the choice's ``prompt_logprobs`` holds the records
+    (chat's: the response's, over the rendered prompt)."""
     prompt = [9, 8, 7, 30, 31]
     llm = LLM(tiny_model(0), tokenizer=tiny_tokenizer(), num_gpu_blocks=BLOCKS, block_size=BLOCK_SIZE,
               max_model_len=MAX_MODEL_LEN)
@@ -612,6 +613,12 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_first(srv):
         [list(r) if r else r for r in want.prompt_logprobs]
     field = completion(srv, prompt=prompt, max_tokens=3, temperature=0, prompt_logprobs=1)["choices"][0]
     assert field["logprobs"] is None and field["prompt_logprobs"] == choice["prompt_logprobs"]
+    chat = srv.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2, "prompt_logprobs": 0,
+                                                         "return_token_ids": True}).json()
+    rendered = chat["prompt_token_ids"]  # the chat template's tokens: the prompt the records are of
+    assert len(chat["prompt_logprobs"]) == len(rendered) and chat["prompt_logprobs"][0] is None
+    assert [list(map(int, r)) for r in chat["prompt_logprobs"][1:]] == [[t] for t in rendered[1:]]
     only = completion(srv, prompt=prompt, max_tokens=0, logprobs=0, echo=True)["choices"][0]["logprobs"]
     assert only["token_logprobs"][0] is None and len(only["tokens"]) == len(prompt)
     assert only["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:len(prompt)])

@@ -473,6 +473,16 @@ class CompletionRun:
         return sum(map(len, self.token_ids))
 
 
+def clamp_prompt_logprobs(records: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None] | None:
+    """A response's ``prompt_logprobs``: ``None`` when there are none, each ``-inf`` logprob as -9999 (JSON has no
+    infinity; in place). Mirrors ``clamp_prompt_logprobs`` (``vllm/entrypoints/generate/base/serving.py``)."""
+    for record in records:
+        for lp in (record or {}).values():
+            if lp.logprob == float("-inf"):
+                lp.logprob = -9999.0
+    return records or None
+
+
 def should_include_usage(stream_options: P.StreamOptions | None) -> tuple[bool, bool]:
     """``(include_usage, continuous)``: a usage chunk at the end, and usage on every chunk (the choice's tokens so
     far; only with ``include_usage``). Mirrors ``should_include_usage`` (``vllm/entrypoints/serve/utils/
@@ -644,7 +654,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
             logprobs = serving.completion_logprobs(request, ids, entries) if want_logprobs else None
             choices.append(P.CompletionResponseChoice(index=i, text=text, logprobs=logprobs,
                                                       finish_reason=run.finish[i], stop_reason=run.stop_reason[i],
-                                                      prompt_logprobs=run.prompt_logprobs[i] or None,
+                                                      prompt_logprobs=clamp_prompt_logprobs(run.prompt_logprobs[i]),
                                                       prompt_token_ids=prompts[p] if with_ids else None,
                                                       token_ids=ids if with_ids else None))
         body = P.CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
@@ -703,6 +713,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, mod
                    for i in range(request.n)]
         body = P.ChatCompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
                                         usage=serving.usage([prompt], run.completion_tokens, run.final_cached),
+                                        prompt_logprobs=clamp_prompt_logprobs(run.prompt_logprobs[0]),
                                         prompt_token_ids=prompt if with_ids else None)
         return JSONResponse(body.model_dump())
 

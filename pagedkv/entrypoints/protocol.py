@@ -6,7 +6,7 @@ Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/op
 ``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``,
 ``ModelPermission``).
 The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve
-(``prompt_logprobs``, beam search, ``bad_words``, ...: :data:`UNSERVED`), with
+(beam search, ``bad_words``, ``logprob_token_ids``, ...: :data:`UNSERVED`), with
 vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
 if it had not (a deliberate difference: vLLM serves them). As in vLLM, any other field is accepted and ignored
 (``OpenAIBaseModel`` has ``extra="allow"``). vLLM's ``mode="before"`` request validators are here with their
@@ -141,6 +141,22 @@ class _SamplingFields(OpenAIBaseModel):
     request_id: str = Field(default_factory=random_uuid)
     return_token_ids: bool | None = False  # vLLM 0.26: each choice carries its token ids
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:{id}"
+    #: vLLM's extension: each prompt token's logprob and those of this many likeliest, in the response's
+    #: ``prompt_logprobs`` (``-1``: the vocabulary; not with ``stream``)
+    prompt_logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_prompt_logprobs(cls, data: Any) -> Any:
+        """vLLM's ``check_logprobs`` for ``prompt_logprobs`` (its messages and param)."""
+        prompt = data.get("prompt_logprobs") if isinstance(data, dict) else None
+        if isinstance(prompt, (int, float)) and not isinstance(prompt, bool):
+            if data.get("stream") and (prompt > 0 or prompt == -1):
+                raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`.",
+                                          "prompt_logprobs")
+            if prompt < 0 and prompt != -1:
+                raise InvalidRequestError("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -166,7 +182,7 @@ class _SamplingFields(OpenAIBaseModel):
 
     def requested_prompt_logprobs(self) -> int | None:
         """``SamplingParams.prompt_logprobs`` for this request (``None``: none)."""
-        return None
+        return self.prompt_logprobs
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer keys and each bias clamped to [-100, 100]; ``InvalidRequestError`` naming
@@ -201,9 +217,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     add_special_tokens: bool = True  # the tokenizer's BOS and the like on a text prompt
     logprobs: int | None = None  # each token's logprob and those of this many likeliest
-    #: vLLM's extension: each prompt token's logprob and those of this many likeliest, in the choice's
-    #: ``prompt_logprobs`` (``-1``: the vocabulary; not with ``stream``)
-    prompt_logprobs: int | None = None
 
     def sample_logprobs(self) -> int | None:
         return self.logprobs
@@ -220,13 +233,6 @@ class CompletionRequest(_SamplingFields):
     def check_logprobs(cls, data: Any) -> Any:
         """vLLM's ``check_logprobs`` (its message and param) for the fields the lab serves."""
         logprobs = data.get("logprobs") if isinstance(data, dict) else None
-        prompt = data.get("prompt_logprobs") if isinstance(data, dict) else None
-        if isinstance(prompt, (int, float)) and not isinstance(prompt, bool):
-            if data.get("stream") and (prompt > 0 or prompt == -1):
-                raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`.",
-                                          "prompt_logprobs")
-            if prompt < 0 and prompt != -1:
-                raise InvalidRequestError("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
         if isinstance(logprobs, (int, float)) and logprobs < 0:
             raise InvalidRequestError("`logprobs` must be a positive value.", "logprobs")
         return data
@@ -288,12 +294,8 @@ class ChatCompletionRequest(_SamplingFields):
         return data
 
     def unserved(self) -> str | None:
-        """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not) and
-        ``prompt_logprobs`` (the lab's chat does not return them)."""
-        extra = self.model_extra or {}
-        if extra.get("prompt_logprobs") is not None:
-            return "prompt_logprobs"
-        return super().unserved() or ("echo" if extra.get("echo") else None)
+        """As for completions, and ``echo`` (chat's echoes the last message; the lab's chat does not)."""
+        return super().unserved() or ("echo" if (self.model_extra or {}).get("echo") else None)
 
     def untrusted_chat_template(self) -> bool:
         """A chat template sent with the request, which vLLM refuses unless ``--trust-request-chat-template``
@@ -398,7 +400,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
-    prompt_logprobs: None = None  # vLLM's key; the lab computes no prompt logprobs
+    #: with prompt_logprobs: None, then each prompt token's ``{token_id: {logprob, rank, decoded_token}}``
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
