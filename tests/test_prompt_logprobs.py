@@ -92,11 +92,13 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs(llama, prompts):
     assert hit.num_cached_tokens == (len(p) - 1) // 8 * 8 > 0
 
 
-def test_prompt_logprobs_survive_preemption(llama, prompts):
-    """A tight pool preempts requests in their prompt (its chunks so far are dropped and computed again) and after
-    it (its record went out with its first token): each record as in a roomy pool, once, and n=2 gives it once."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prompt_logprobs_survive_preemption(llama, prompts, mode):
+    """A tight pool preempts requests in their prompt and after it (the record went out with the first token):
+    recomputed, a prompt's chunks so far are computed again and its record starts again; swapped out and in (the
+    lab's swap), it goes on from its chunks so far. Each record whole, once; n=2 gives it once."""
     params = [SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=2) for _ in prompts]
-    tight_llm = LLM(llama, num_gpu_blocks=9, block_size=8, max_num_batched_tokens=16)
+    tight_llm = LLM(llama, num_gpu_blocks=9, block_size=8, max_num_batched_tokens=5, preemption_mode=mode)
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
     assert tight_llm.scheduler.num_preemptions > 0
     for p, out in zip(prompts, tight, strict=True):

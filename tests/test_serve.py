@@ -190,6 +190,7 @@ BAD = [
     (b'{"prompt": "hi", "logit_bias": {"600": 10}}', 400, "logit_bias"),  # outside the vocabulary
     (b'{"prompt": "hi", "allowed_token_ids": []}', 400, "allowed_token_ids"),
     (b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}', 400, "prompt_logprobs"),  # vLLM's words too
+    (b'{"prompt": "hi", "prompt_logprobs": true, "stream": true}', 400, "prompt_logprobs"),  # true is 1
     (b'{"prompt": "hi", "prompt_logprobs": -2}', 400, "prompt_logprobs"),
     (b'{"prompt": "hi", "prompt_logprobs": 21}', 400, "prompt_logprobs"),  # more than max_logprobs (20)
     (b'{"prompt": "hi", "logprobs": 1, "logprob_token_ids": [5]}', 400, "logprob_token_ids"),

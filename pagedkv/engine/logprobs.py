@@ -100,9 +100,10 @@ class PromptLogprobsWorker:
         self.in_progress: dict[str, list[LogprobsTensors]] = {}  # req_id -> the chunks so far
 
     def add_request(self, req_id: str, params: Any) -> None:
-        """Start (or restart, for a request resumed after preemption) a request's record if it asks."""
+        """Start a request's record if it asks (a request resumed after preemption keeps the chunks it has: the
+        runner starts them again when its prompt starts again at position 0)."""
         if getattr(params, "prompt_logprobs", None) is not None:
-            self.in_progress[req_id] = []
+            self.in_progress.setdefault(req_id, [])
 
     def remove_request(self, req_id: str) -> None:
         self.in_progress.pop(req_id, None)

@@ -697,15 +697,16 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------
     # The runner's request states
     # ------------------------------------------------------------------------------------------------
-    def _remove_request(self, req_id: str) -> None:
+    def _remove_request(self, req_id: str, finished: bool = True) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_slots.append(state.req_index)
         self.penalties.remove_request(req_id)
-        self.prompt_logprobs.remove_request(req_id)
+        if finished:  # a preempted request's prompt chunks so far are kept (a swapped-in one goes on from them)
+            self.prompt_logprobs.remove_request(req_id)
 
     def _add_request(self, req_id: str, token_ids: list[int], block_ids: Sequence[int], params: Any) -> None:
-        self._remove_request(req_id)
+        self._remove_request(req_id, finished=False)
         if not self._free_slots:
             raise RuntimeError(f"no request slot left for {req_id!r} ({self.max_num_reqs} slots)")
         index = self._free_slots.pop()
@@ -730,7 +731,7 @@ class ModelRunner:
             self.sampling_params.pop(rid, None)
             self.prompt_lens.pop(rid, None)
         for rid in scheduler_output.preempted_req_ids:
-            self._remove_request(rid)
+            self._remove_request(rid, finished=False)
 
     def add_requests(self, scheduler_output: SchedulerOutput) -> None:
         """New requests (their prompt and whole block table) and resumed ones (every token so far, and their new
@@ -970,7 +971,10 @@ class ModelRunner:
         those rows predict, whether the prompt goes on in a later chunk, its prompt_logprobs)``. A prompt's last
         position is left out (its logits sample the first output token, with nothing of the prompt to predict), and
         a request resumed after its prompt was done is skipped (its prompt logprobs went out with its first
-        token). Mirrors ``PromptLogprobsWorker.compute_prompt_logprobs``'s selection."""
+        token). A request preempted inside its prompt keeps its chunks so far: recomputed, it starts again at
+        position 0 (no prefix-cache hit), and the record with it; swapped back in, it goes on from where it was (the
+        lab's swap: vLLM 0.26 only recomputes). Mirrors ``PromptLogprobsWorker.compute_prompt_logprobs``'s
+        selection."""
         if not self.prompt_logprobs.in_progress:  # the usual case: no request asks
             return []
         rows = []
@@ -983,6 +987,8 @@ class ModelRunner:
             start, n = so.num_computed_tokens[rid], so.num_scheduled_tokens[rid]
             if start >= prompt_len or prompt_len < len(state.prefill_token_ids):
                 continue
+            if start == 0:  # the prompt from its start: a record begun before a recompute preemption starts again
+                self.prompt_logprobs.in_progress[rid] = []
             chunked = start + n < prompt_len
             r0, r1 = qsl[i], qsl[i + 1] - (0 if chunked else 1)
             targets = state.prefill_token_ids[start + 1 : start + 1 + r1 - r0]

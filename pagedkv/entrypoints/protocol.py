@@ -150,7 +150,7 @@ class _SamplingFields(OpenAIBaseModel):
     def check_prompt_logprobs(cls, data: Any) -> Any:
         """vLLM's ``check_logprobs`` for ``prompt_logprobs`` (its messages and param)."""
         prompt = data.get("prompt_logprobs") if isinstance(data, dict) else None
-        if isinstance(prompt, (int, float)) and not isinstance(prompt, bool):
+        if isinstance(prompt, (int, float)):  # True counts as 1, as in vLLM's comparison
             if data.get("stream") and (prompt > 0 or prompt == -1):
                 raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`.",
                                           "prompt_logprobs")
