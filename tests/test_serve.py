@@ -189,6 +189,7 @@ BAD = [
     (b'{"prompt": "hi", "logit_bias": {"x": 10}}', 400, "logit_bias"),  # vLLM: keys that are not token ids
     (b'{"prompt": "hi", "logit_bias": {"600": 10}}', 400, "logit_bias"),  # outside the vocabulary
     (b'{"prompt": "hi", "allowed_token_ids": []}', 400, "allowed_token_ids"),
+    (b'{"prompt": "hi", "bad_words": ["a", ""]}', 400, NULL),  # vLLM: a plain ValueError
     (b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}', 400, "prompt_logprobs"),  # vLLM's words too
     (b'{"prompt": "hi", "prompt_logprobs": true, "stream": true}', 400, "prompt_logprobs"),  # true is 1
     (b'{"prompt": "hi", "prompt_logprobs": -2}', 400, "prompt_logprobs"),
@@ -630,6 +631,24 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_first(srv):
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp["token_logprobs"][1:])
     assert len(chunks[0]["tokens"]) >= len(prompt)  # the prompt's ride on the first chunk
     assert [t for c in chunks for t in c["tokens"]] == lp["tokens"]
+    idle(srv)
+
+
+def test_bad_words_over_http(srv):
+    """``bad_words`` reach the engine: the word the greedy completion says is never said, streamed or not."""
+    plain = completion(srv, prompt="hello there", max_tokens=8, temperature=0, return_token_ids=True)["choices"][0]
+    tok = tiny_tokenizer()
+    word = next(t for t in (tok.decode([i]) for i in plain["token_ids"][1:])
+                if t.strip() and t.isprintable() and len(tok.encode(t.lstrip(), add_special_tokens=False)) == 1)
+    banned = tok.encode(word.lstrip(), add_special_tokens=False)[0]
+    for stream in (False, True):
+        r = srv.client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 8, "temperature": 0,
+                                                     "bad_words": [word], "return_token_ids": True,
+                                                     "stream": stream})
+        assert r.status_code == 200, r.text
+        ids = [t for e in sse(r.text) for c in e["choices"] for t in c["token_ids"] or []] if stream else \
+            r.json()["choices"][0]["token_ids"]
+        assert banned not in ids and ids != plain["token_ids"]
     idle(srv)
 
 

@@ -30,6 +30,7 @@ import torch
 from pagedkv.async_scheduler import AsyncScheduler
 from pagedkv.engine.attention import BACKENDS, register_pagedkv_attention
 from pagedkv.engine.core import EngineCore, EngineCoreOutput, EngineCoreRequest
+from pagedkv.engine.exceptions import InvalidRequestError
 from pagedkv.engine.executor import UniProcExecutor
 from pagedkv.engine.llama import MODEL_IMPLS
 from pagedkv.engine.logprobs import LogprobsLists, SampleLogprobs, prompt_logprobs_record
@@ -640,8 +641,14 @@ class LLM:
     def verify_sampling_params(self, params: SamplingParams) -> None:
         """``params.verify`` against this engine's model (its vocabulary) and ``max_logprobs``: vLLM's checks of a
         request's sampling parameters that need the model (``SamplingParams.verify``, called by vLLM's
-        ``InputProcessor.process_inputs``)."""
+        ``InputProcessor.process_inputs``), and the bad words' token ids from the tokenizer
+        (``update_from_tokenizer``; vLLM ignores ``bad_words`` without a tokenizer, the lab refuses them)."""
         params.verify(self.model.config.vocab_size, self.max_logprobs)
+        if params.bad_words:  # vLLM's InputProcessor: SamplingParams.update_from_tokenizer
+            if self.tokenizer is None:
+                raise InvalidRequestError("bad_words need a tokenizer; this model has none: use logit_bias",
+                                          "bad_words")
+            params.update_from_tokenizer(self.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by

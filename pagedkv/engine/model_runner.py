@@ -46,6 +46,8 @@ lab (``pagedkv/engine/``)     vLLM 0.26 (``vllm/v1/worker/gpu/``)
 ``make_decoder``              ``ModelConfig.model_impl`` (``vllm/config/model.py``): vLLM's model or Transformers'
 ``compute_logits``            ``model_runner.py``: logits for every request (``total_num_logits = num_reqs``)
 ``Sampler``                   ``sample/sampler.py``: ``Sampler`` (Gumbel noise from a seed and position)
+``BadWordsState``             ``sample/bad_words.py``: ``BadWordsState`` (the lab keeps each request's last
+                              outputs, not the whole token table)
 ``PromptLogprobsWorker``      ``sample/prompt_logprob.py``: ``PromptLogprobsWorker`` (a step with prompt rows
                               runs without a CUDA graph)
 ``AsyncModelRunnerOutput``    ``async_utils.py``: ``AsyncOutput``
@@ -80,6 +82,7 @@ from pagedkv.engine.attention import (
     make_pool_decode,
     paged_attention_forward,
 )
+from pagedkv.engine.bad_words import BadWordsState
 from pagedkv.engine.llama import MODEL_IMPLS, LlamaDecoder, unsupported_reason
 from pagedkv.engine.logprobs import (
     LogprobsLists,
@@ -665,6 +668,7 @@ class ModelRunner:
         self.prompt_lens: dict[str, int] = {}
         self.penalties = PenaltiesState(self.device)
         self.prompt_logprobs = PromptLogprobsWorker()
+        self.bad_words = BadWordsState(self.device)
         self.graph_runner: CUDAGraphRunner | None = None
         self._logits: torch.Tensor | None = None  # [rows, V]: compute_logits' buffer
         if use_cuda_graph and len(self.group_windows) > 1:
@@ -702,6 +706,7 @@ class ModelRunner:
         if state is not None:
             self._free_slots.append(state.req_index)
         self.penalties.remove_request(req_id)
+        self.bad_words.remove_request(req_id)
         if finished:  # a preempted request's prompt chunks so far are kept (a swapped-in one goes on from them)
             self.prompt_logprobs.remove_request(req_id)
 
@@ -715,6 +720,7 @@ class ModelRunner:
         self.block_tables.append_block_ids(index, block_ids, overwrite=True)
         self.penalties.add_request(req_id, token_ids, self.prompt_lens.get(req_id, len(token_ids)), params)
         self.prompt_logprobs.add_request(req_id, params)
+        self.bad_words.add_request(req_id, token_ids, self.prompt_lens.get(req_id, len(token_ids)), params)
         seed = getattr(params, "seed", None)
         if seed is not None and req_id not in self.generators:
             from pagedkv.engine.sampler import make_generator
@@ -947,7 +953,8 @@ class ModelRunner:
         ``apply_sampling_params``, ``vllm/v1/worker/gpu/sample/sampler.py``): the logit bias (allowed tokens,
         biases, the min-tokens mask: :func:`~pagedkv.engine.sampler.apply_logit_bias`, which needs each sampled
         row's position and its request's original prompt length), the penalties
-        (:class:`~pagedkv.engine.penalties.PenaltiesState`, which then counts the samples), then the sampler with
+        (:class:`~pagedkv.engine.penalties.PenaltiesState`, which then counts the samples), the bad words
+        (:class:`~pagedkv.engine.bad_words.BadWordsState`, which then appends them), then the sampler with
         each row's parameters and generator. When a request asks for logprobs, every row's are computed from the
         raw logits (a copy kept before all that changes them in place), with the batch's largest ``logprobs``."""
         rids = batch.sample_req_ids
@@ -961,8 +968,12 @@ class ModelRunner:
             positions = [seq_lens[r] - 1 for r in rids]  # the sampled row's position: its last input token's
             apply_logit_bias(logits, params, positions, [self.prompt_lens.get(r, 0) for r in rids])
         self.penalties.apply(logits, rids, params)
+        if self.bad_words.words:
+            seq_lens = dict(zip(batch.req_ids, batch.seq_lens_host, strict=True))
+            self.bad_words.apply(logits, rids, [seq_lens[r] - self.prompt_lens.get(r, 0) for r in rids])
         sampled = self.sampler.sample(logits, params, gens)
         self.penalties.update(rids, sampled)
+        self.bad_words.update(rids, sampled)
         return sampled, None if raw is None else compute_topk_logprobs(raw, sampled, max(wanted))
 
     def _prompt_logprob_rows(self, batch: InputBatch, so: SchedulerOutput) -> list[tuple[str, int, int, list[int],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pagedkv.engine.exceptions import InvalidRequestError
 from pagedkv.utils import check_int, is_int, is_real
@@ -15,6 +16,9 @@ MAX_N_SEQUENCES = 16384
 #: The most ``allowed_token_ids`` and ``logit_bias`` entries one request may have: Model Runner V2's buffers
 #: (``MAX_NUM_ALLOWED_TOKEN_IDS``, ``MAX_NUM_LOGIT_BIAS_TOKENS`` in ``vllm/v1/worker/gpu/sample/logit_bias.py``).
 MAX_NUM_ALLOWED_TOKEN_IDS = MAX_NUM_LOGIT_BIAS_TOKENS = 1024
+#: The most bad-word encodings one request may have, and their tokens together: Model Runner V2's buffers
+#: (``MAX_NUM_BAD_WORDS``, ``MAX_BAD_WORDS_TOTAL_TOKENS`` in ``vllm/v1/worker/gpu/sample/bad_words.py``).
+MAX_NUM_BAD_WORDS, MAX_BAD_WORDS_TOTAL_TOKENS = 128, 1024
 
 
 @dataclass
@@ -45,6 +49,9 @@ class SamplingParams:
     its rank, and the ``prompt_logprobs`` likeliest tokens at that position (``-1``: all; ``True`` is 1; at most
     ``max_logprobs``); such a request reads nothing from the prefix cache (``skip_reading_prefix_cache``), so that
     every prompt position is computed.
+    ``bad_words`` (strings; needs a tokenizer): a word's tokens, with and without a leading space, are never all
+    generated in a row: its last token is masked whenever the output ends with the others (after the
+    penalties, before the temperature: V2's order).
     Invalid values raise ``ValueError`` at construction (vLLM's ``SamplingParams._verify_args``).
     """
 
@@ -70,6 +77,9 @@ class SamplingParams:
     #: the KV cache manager finds no prefix-cache hit for the request (``None``: whether ``prompt_logprobs`` is
     #: set: a cached position would have no logits)
     skip_reading_prefix_cache: bool | None = None
+    bad_words: list[str] | None = None
+    #: each bad word's token ids, with and without a leading space (set by :meth:`update_from_tokenizer`)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     #: every token ``min_tokens`` keeps from being sampled: ``stop_token_ids`` and the model's EOS ids, which the
     #: engine adds when it takes the request (vLLM's ``_all_stop_token_ids``, set by
     #: ``update_from_generation_config``), whether or not ``ignore_eos``
@@ -96,6 +106,13 @@ class SamplingParams:
             self.logprobs = int(self.logprobs)
         if isinstance(self.prompt_logprobs, bool):
             self.prompt_logprobs = int(self.prompt_logprobs)
+        if self.bad_words is None:  # vLLM's normalisation
+            self.bad_words = []
+        elif isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        else:
+            self.bad_words = list(self.bad_words)
         self._verify_args()
         if self.skip_reading_prefix_cache is None:
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
@@ -158,6 +175,8 @@ class SamplingParams:
             check_int(self.max_tokens, "max_tokens", None)
             if self.max_tokens < 1:
                 raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
+        if any(not word for word in self.bad_words or ()):
+            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={self.bad_words}")
         check_int(self.min_tokens, "min_tokens", None)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
@@ -215,6 +234,39 @@ class SamplingParams:
         ("length"). vLLM 0.26's ``check_stop`` returns before its length check then, and the request is never
         scheduled again: the lab's own end for it."""
         return replace(self, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens))
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Each bad word's token ids: the word as given (its leading spaces stripped), and with one leading space
+        when that makes other tokens of the same count (a word at the start of a text and in its middle).
+        ``InvalidRequestError`` for an id the tokenizer does not have, more than 128 words' encodings or 1,024 of
+        their tokens (V2's buffers: its worker raises those). Mirrors ``SamplingParams.update_from_tokenizer``."""
+        if not self.bad_words:
+            return
+        words: list[list[int]] = []
+        for word in self.bad_words:
+            for add_prefix_space in (False, True):
+                ids = tokenizer.encode(("" if not add_prefix_space else " ") + word.lstrip(),
+                                       add_special_tokens=False)
+                if not add_prefix_space or (ids[0] != words[-1][0] and len(ids) == len(words[-1])):
+                    words.append(ids)
+        max_id = max(tokenizer.get_vocab().values())  # vLLM's max_token_id
+        bad = [t for ids in words for t in ids if not 0 <= t <= max_id]
+        if bad:
+            raise InvalidRequestError(f"The model vocabulary size is {max_id + 1}, but the following tokens were "
+                                      f"specified as bad: {bad}. All token id values should be integers "
+                                      f"satisfying: 0 <= token_id <= {max_id}.", "bad_words")
+        if len(words) > MAX_NUM_BAD_WORDS:
+            raise InvalidRequestError(f"Too many bad words: {len(words)}. The max number is {MAX_NUM_BAD_WORDS}.",
+                                      "bad_words")
+        total = sum(map(len, words))
+        if total > MAX_BAD_WORDS_TOTAL_TOKENS:
+            raise InvalidRequestError(f"Too many total bad word tokens: {total}. The max is "
+                                      f"{MAX_BAD_WORDS_TOTAL_TOKENS}.", "bad_words")
+        self._bad_words_token_ids = words
 
     def update_from_generation_config(self, generation_config: dict, eos_token_id: int | None = None) -> None:
         """Add the EOS ids (``eos_token_id``, the tokenizer's, and the generation config's ``"eos_token_id"``, an

@@ -273,7 +273,7 @@ class OpenAIServing:
                                     else request.repetition_penalty),
                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []) or None,
                 ignore_eos=request.ignore_eos, logprobs=request.sample_logprobs(),
-                prompt_logprobs=request.requested_prompt_logprobs(),
+                prompt_logprobs=request.requested_prompt_logprobs(), bad_words=request.bad_words,
                 logit_bias=request.token_logit_bias(), allowed_token_ids=request.allowed_token_ids,
             )
         except ValueError as exc:  # the field where vLLM names it (its VLLMValidationError), else param null

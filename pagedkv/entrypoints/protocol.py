@@ -6,7 +6,7 @@ Field names, defaults and the error body follow vLLM 0.26: ``vllm/entrypoints/op
 ``vllm/entrypoints/openai/engine/protocol.py`` (``ErrorResponse``, ``ErrorInfo``, ``UsageInfo``, ``ModelCard``,
 ``ModelPermission``).
 The fields the lab's engine honours are declared; so are vLLM's sampling fields it cannot serve
-(beam search, ``bad_words``, ``logprob_token_ids``, ...: :data:`UNSERVED`), with
+(beam search, ``logprob_token_ids``, ``suffix``, ...: :data:`UNSERVED`), with
 vLLM's defaults, so that a request setting one to anything else is refused with a 400 rather than answered as
 if it had not (a deliberate difference: vLLM serves them). As in vLLM, any other field is accepted and ignored
 (``OpenAIBaseModel`` has ``extra="allow"``). vLLM's ``mode="before"`` request validators are here with their
@@ -33,7 +33,7 @@ MAX_COMPLETION_PROMPTS = 1024
 #: vLLM's request fields the lab's engine cannot serve, and the values that ask for nothing (vLLM's defaults, and
 #: what a client sends to mean "off"); any other value is refused with a 400 naming the field.
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "bad_words": (None, []), "truncate_prompt_tokens": (None,),
+    "truncate_prompt_tokens": (None,),
     "suffix": (None,), "use_beam_search": (False,), "logprob_token_ids": (None, []),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,), "tools": (None, []),
@@ -132,6 +132,7 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = None  # None: the generation config's, else 1.0
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(default_factory=list)
     stop_token_ids: list[int] | None = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
