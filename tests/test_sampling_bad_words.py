@@ -70,6 +70,8 @@ def test_bad_words_refused_in_vllms_words(model_and_tok):
         LLM(model, num_gpu_blocks=60, block_size=8).generate([5, 6], SamplingParams(bad_words=["a"]),
                                                               use_tqdm=False)
     llm = LLM(model, tokenizer=tok, num_gpu_blocks=60, block_size=8)
+    with pytest.raises(ValueError, match="bad_words: '  ' is no tokens once its leading spaces are stripped"):
+        llm.generate([5, 6], SamplingParams(bad_words=["ok", "  "]), use_tqdm=False)
     with pytest.raises(ValueError, match="Too many bad words: 258. The max number is 128."):
         llm.generate([5, 6], SamplingParams(bad_words=[f"w{i}" for i in range(129)]), use_tqdm=False)
     assert not llm.engine_core.requests

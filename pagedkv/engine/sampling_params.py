@@ -243,11 +243,15 @@ class SamplingParams:
         """Each bad word's token ids: the word as given (its leading spaces stripped), and with one leading space
         when that makes other tokens of the same count (a word at the start of a text and in its middle).
         ``InvalidRequestError`` for an id the tokenizer does not have, more than 128 words' encodings or 1,024 of
-        their tokens (V2's buffers: its worker raises those). Mirrors ``SamplingParams.update_from_tokenizer``."""
+        their tokens (V2's buffers: its worker raises those), or a word of spaces only (vLLM fails on its first
+        token). Mirrors ``SamplingParams.update_from_tokenizer``."""
         if not self.bad_words:
             return
         words: list[list[int]] = []
         for word in self.bad_words:
+            if not tokenizer.encode(word.lstrip(), add_special_tokens=False):  # vLLM fails on it (IndexError)
+                raise InvalidRequestError(f"bad_words: {word!r} is no tokens once its leading spaces are "
+                                          "stripped", "bad_words")
             for add_prefix_space in (False, True):
                 ids = tokenizer.encode(("" if not add_prefix_space else " ") + word.lstrip(),
                                        add_special_tokens=False)
