@@ -326,12 +326,13 @@ class OpenAIServing:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
 
-    def _token_text(self, logprob: Logprob, token_id: int, as_ids: bool) -> str:
+    def _token_text(self, logprob: Logprob | None, token_id: int, as_ids: bool) -> str:
         """A logprob's token as the client sees it: ``"token_id:{id}"`` with ``return_tokens_as_token_ids``, else
-        its decoded text. Mirrors ``OpenAIServing._get_decoded_token``."""
+        its decoded text (decoded here when there is no record: an echoed prompt's first token). Mirrors
+        ``OpenAIServing._get_decoded_token``."""
         if as_ids:
             return f"token_id:{token_id}"
-        if logprob.decoded_token is not None:
+        if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         if self.tokenizer is None:
             raise ServingError("logprobs' tokens need a tokenizer (this model has none): set "
@@ -354,7 +355,7 @@ class OpenAIServing:
         last_len = 0
         for token_id, step in zip(token_ids, entries, strict=True):
             if step is None:
-                token = self._token_text(Logprob(0.0), token_id, as_ids)
+                token = self._token_text(None, token_id, as_ids)
                 logprobs.append(None)
                 tops.append(None)
             else:
