@@ -75,6 +75,13 @@ def test_bad_words_refused_in_vllms_words(model_and_tok):
     with pytest.raises(ValueError, match="Too many bad words: 258. The max number is 128."):
         llm.generate([5, 6], SamplingParams(bad_words=[f"w{i}" for i in range(129)]), use_tqdm=False)
     assert not llm.engine_core.requests
+    small = LLM(tiny_model(0, vocab_size=300), tokenizer=tok, num_gpu_blocks=60, block_size=8)  # 512 token ids
+    word = next(w for w in ("ox", "zebra", "quartz") if max(tok.encode(w, add_special_tokens=False)) >= 300)
+    with pytest.raises(ValueError, match=r"bad_words encode to token ids \[.*\], outside the model's vocabulary "
+                                         "of 300 tokens"):
+        small.generate([5, 6], SamplingParams(bad_words=[word]), use_tqdm=False)
+    assert not small.engine_core.requests
+    assert small.generate([5, 6], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_each_word_is_encoded_with_and_without_a_leading_space(model_and_tok):

@@ -190,6 +190,7 @@ BAD = [
     (b'{"prompt": "hi", "logit_bias": {"600": 10}}', 400, "logit_bias"),  # outside the vocabulary
     (b'{"prompt": "hi", "allowed_token_ids": []}', 400, "allowed_token_ids"),
     (b'{"prompt": "hi", "bad_words": ["a", ""]}', 400, NULL),  # vLLM: a plain ValueError
+    (b'{"prompt": "hi", "bad_words": null}', 400, "body.bad_words"),  # vLLM's field is a list, not optional
     (b'{"prompt": "hi", "prompt_logprobs": 1, "stream": true}', 400, "prompt_logprobs"),  # vLLM's words too
     (b'{"prompt": "hi", "prompt_logprobs": true, "stream": true}', 400, "prompt_logprobs"),  # true is 1
     (b'{"prompt": "hi", "prompt_logprobs": -2}', 400, "prompt_logprobs"),

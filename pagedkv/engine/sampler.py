@@ -115,7 +115,7 @@ class Sampler:
         nothing here waits for the device (which cuts apply is decided from the host's parameters). Mirrors
         ``Sampler.sample`` and ``apply_sampling_params`` (``vllm/v1/worker/gpu/sample/sampler.py``), from the
         temperature on: the runner applies the logit bias (:func:`apply_logit_bias`) and the penalties
-        (``pagedkv.engine.penalties``) before; no bad words in the lab."""
+        (``pagedkv.engine.penalties``) and the bad words (``pagedkv.engine.bad_words``) before."""
         if logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators")
         if logits.shape[0] == 0:

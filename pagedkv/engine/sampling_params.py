@@ -257,7 +257,9 @@ class SamplingParams:
                                        add_special_tokens=False)
                 if not add_prefix_space or (ids[0] != words[-1][0] and len(ids) == len(words[-1])):
                     words.append(ids)
-        max_id = max(tokenizer.get_vocab().values())  # vLLM's max_token_id
+        max_id = max(tokenizer.get_vocab().values())  # vLLM's max_token_id (vllm/tokenizers/hf.py): the vocabulary's
+        if isinstance(getattr(tokenizer, "vocab_size", None), int):  # largest id, or vocab_size where that is more
+            max_id = max(max_id, tokenizer.vocab_size)
         bad = [t for ids in words for t in ids if not 0 <= t <= max_id]
         if bad:
             raise InvalidRequestError(f"The model vocabulary size is {max_id + 1}, but the following tokens were "

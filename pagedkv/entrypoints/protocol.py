@@ -132,7 +132,7 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = None  # None: the generation config's, else 1.0
     logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias
     allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = Field(default_factory=list)
+    bad_words: list[str] = Field(default_factory=list)  # vLLM's: null is refused
     stop_token_ids: list[int] | None = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
