@@ -644,17 +644,13 @@ class LLM:
         ``InputProcessor.process_inputs``), and the bad words' token ids from the tokenizer
         (``update_from_tokenizer``; vLLM ignores ``bad_words`` without a tokenizer, the lab refuses them, and
         those whose ids are past the model's vocabulary, which vLLM's kernel would write past its row)."""
-        params.verify(self.model.config.vocab_size, self.max_logprobs)
+        vocab = self.model.config.vocab_size
+        params.verify(vocab, self.max_logprobs)
         if params.bad_words:  # vLLM's InputProcessor: SamplingParams.update_from_tokenizer
             if self.tokenizer is None:
                 raise InvalidRequestError("bad_words need a tokenizer; this model has none: use logit_bias",
                                           "bad_words")
-            params.update_from_tokenizer(self.tokenizer)
-            vocab = self.model.config.vocab_size
-            outside = sorted({t for ids in params.bad_words_token_ids or () for t in ids if t >= vocab})
-            if outside:  # a lab addition: vLLM checks the tokenizer's ids only, and its kernel writes past the row
-                raise InvalidRequestError(f"bad_words encode to token ids {outside}, outside the model's vocabulary "
-                                          f"of {vocab} tokens", "bad_words")
+            params.update_from_tokenizer(self.tokenizer, vocab)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The :class:`SamplingParams` ``generate`` uses when given none: vLLM's neutral defaults, overridden by

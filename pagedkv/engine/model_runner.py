@@ -963,14 +963,15 @@ class ModelRunner:
         wanted = [num_logprobs(p.logprobs, logits.shape[-1]) for p in params
                   if p is not None and getattr(p, "logprobs", None) is not None]
         raw = logits.clone() if wanted else None  # [S, V]: vLLM's default logprobs_mode, "raw_logprobs"
-        if any(uses_logit_bias(p) for p in params):
+        bias = any(uses_logit_bias(p) for p in params)
+        if bias or self.bad_words.words:  # each sampled row's length (its position + 1) and original prompt length
             seq_lens = dict(zip(batch.req_ids, batch.seq_lens_host, strict=True))
-            positions = [seq_lens[r] - 1 for r in rids]  # the sampled row's position: its last input token's
-            apply_logit_bias(logits, params, positions, [self.prompt_lens.get(r, 0) for r in rids])
+            lens, prompt_lens = [seq_lens[r] for r in rids], [self.prompt_lens.get(r, 0) for r in rids]
+        if bias:
+            apply_logit_bias(logits, params, [n - 1 for n in lens], prompt_lens)
         self.penalties.apply(logits, rids, params)
-        if self.bad_words.words:
-            seq_lens = dict(zip(batch.req_ids, batch.seq_lens_host, strict=True))
-            self.bad_words.apply(logits, rids, [seq_lens[r] - self.prompt_lens.get(r, 0) for r in rids])
+        if self.bad_words.words:  # each row's outputs before its sample
+            self.bad_words.apply(logits, rids, [n - p for n, p in zip(lens, prompt_lens, strict=True)])
         sampled = self.sampler.sample(logits, params, gens)
         self.penalties.update(rids, sampled)
         self.bad_words.update(rids, sampled)

@@ -239,12 +239,13 @@ class SamplingParams:
     def bad_words_token_ids(self) -> list[list[int]] | None:
         return self._bad_words_token_ids
 
-    def update_from_tokenizer(self, tokenizer: Any) -> None:
+    def update_from_tokenizer(self, tokenizer: Any, vocab_size: int | None = None) -> None:
         """Each bad word's token ids: the word as given (its leading spaces stripped), and with one leading space
         when that makes other tokens of the same count (a word at the start of a text and in its middle).
         ``InvalidRequestError`` for an id the tokenizer does not have, more than 128 words' encodings or 1,024 of
-        their tokens (V2's buffers: its worker raises those), or a word of spaces only (vLLM fails on its first
-        token). Mirrors ``SamplingParams.update_from_tokenizer``."""
+        their tokens (V2's buffers: its worker raises those), a word of spaces only (vLLM fails on its first
+        token), or, given the model's ``vocab_size``, an id past it (vLLM checks the tokenizer's ids only, and its
+        kernel writes past the logits' row). Mirrors ``SamplingParams.update_from_tokenizer``."""
         if not self.bad_words:
             return
         words: list[list[int]] = []
@@ -265,6 +266,10 @@ class SamplingParams:
             raise InvalidRequestError(f"The model vocabulary size is {max_id + 1}, but the following tokens were "
                                       f"specified as bad: {bad}. All token id values should be integers "
                                       f"satisfying: 0 <= token_id <= {max_id}.", "bad_words")
+        outside = [] if vocab_size is None else sorted({t for ids in words for t in ids if t >= vocab_size})
+        if outside:
+            raise InvalidRequestError(f"bad_words encode to token ids {outside}, outside the model's vocabulary "
+                                      f"of {vocab_size} tokens", "bad_words")
         if len(words) > MAX_NUM_BAD_WORDS:
             raise InvalidRequestError(f"Too many bad words: {len(words)}. The max number is {MAX_NUM_BAD_WORDS}.",
                                       "bad_words")
