@@ -44,6 +44,17 @@ def check_record(record: dict[int, Logprob], sampled: int, logits: torch.Tensor,
         assert lp.logprob == pytest.approx(float(logprobs[t]), abs=TOL)
 
 
+def check_refused_past_max_logprobs(model, prompt: list[int], field: str, kind: str) -> None:
+    """``field`` (``logprobs`` or ``prompt_logprobs``) past ``max_logprobs`` (20), and -1 (the vocabulary, 512),
+    are refused in vLLM's words (``kind``: "sample" or "prompt"), nothing queued."""
+    llm = LLM(model, num_gpu_blocks=60, block_size=8)
+    for asked, said in ((21, 21), (-1, 512)):
+        with pytest.raises(ValueError, match=f"Requested {kind} logprobs of {said}, which is greater than max "
+                                             "allowed: 20"):
+            llm.generate(prompt, SamplingParams(max_tokens=2, **{field: asked}), use_tqdm=False)
+    assert not llm.engine_core.requests
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The parameters
 # ---------------------------------------------------------------------------------------------------------
@@ -51,12 +62,7 @@ def test_logprobs_values_refused_in_vllms_words(llama, prompts):
     with pytest.raises(ValueError, match="logprobs must be non-negative or -1, got -2."):
         SamplingParams(logprobs=-2)
     assert SamplingParams(logprobs=True).logprobs == 1  # vLLM's normalisation
-    llm = LLM(llama, num_gpu_blocks=60, block_size=8)
-    for asked, said in ((21, 21), (-1, 512)):
-        with pytest.raises(ValueError, match=f"Requested sample logprobs of {said}, which is greater than max "
-                                             "allowed: 20"):
-            llm.generate(prompts[0], SamplingParams(max_tokens=2, logprobs=asked), use_tqdm=False)
-    assert not llm.engine_core.requests
+    check_refused_past_max_logprobs(llama, prompts[0], "logprobs", "sample")
     with pytest.raises(ValueError, match="Requested sample logprobs of 600, which is more than the vocabulary"):
         LLM(llama, num_gpu_blocks=60, block_size=8, max_logprobs=1000).generate(
             prompts[0], SamplingParams(max_tokens=2, logprobs=600), use_tqdm=False)  # (vLLM's worker fails)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine import make_prompts, one_thread  # noqa: F401 (one_thread: an autouse fixture)
-from test_logprobs import check_record
+from test_logprobs import check_record, check_refused_past_max_logprobs
 
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.logprobs import convert_ids_list_to_tokens
@@ -45,12 +45,7 @@ def test_prompt_logprobs_refused_in_vllms_words(llama, prompts):
     assert SamplingParams(prompt_logprobs=True).prompt_logprobs == 1  # vLLM's normalisation
     assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache
     assert not SamplingParams().skip_reading_prefix_cache
-    llm = LLM(llama, num_gpu_blocks=60, block_size=8)
-    for asked, said in ((21, 21), (-1, 512)):
-        with pytest.raises(ValueError, match=f"Requested prompt logprobs of {said}, which is greater than max "
-                                             "allowed: 20"):
-            llm.generate(prompts[0], SamplingParams(max_tokens=2, prompt_logprobs=asked), use_tqdm=False)
-    assert not llm.engine_core.requests
+    check_refused_past_max_logprobs(llama, prompts[0], "prompt_logprobs", "prompt")
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
