@@ -347,7 +347,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids
-    #: with echo and logprobs: None, then each prompt token's ``{token_id: {logprob, rank, decoded_token}}``
+    #: with prompt_logprobs (or echo and logprobs): None, then each prompt token's ``{token_id: {logprob, rank,
+    #: decoded_token}}``
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
